@@ -1,0 +1,235 @@
+"""The state one checkpointed call shares between its forward and its recomputations.
+
+NOTE [What recomputation must not repeat]
+torch's non-reentrant checkpoint reruns the function in backward. Two kinds of
+state change in the forward would then happen twice or be seen twice:
+
+* Buffers mutated by modules (BatchNorm's ``running_mean``/``running_var``/
+  ``num_batches_tracked``, any EMA or counter buffer). torch 2.13 updates them
+  again in recompute (``num_batches_tracked == 2`` after one step).
+* Inputs mutated in place by the function (``x.relu_()`` as its first op). torch
+  keeps the mutated input and refuses it in backward (version mismatch).
+
+A region watches the storages of its inputs and of the buffers of every module
+entered during its forward. A dispatch mode copies a watched storage right before
+its first in-place write (copy-on-write), so the region knows the value the
+forward started from. Recompute then runs on fresh copies of those values:
+buffers are swapped for the copies while recomputing and swapped back afterwards,
+so the user's buffers change exactly once per step and the recompute sees the
+state the forward saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while remat is rerunning a checkpointed function in backward.
+
+    Guard side effects that must happen once per step (counters, logging, caches)
+    with ``if not remat.is_recomputing(): ...``.
+    """
+    return getattr(_local, "recomputing", 0) > 0
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _unannotated_writes() -> dict:
+    # Legacy batch-norm kernels update running_mean/var (args 3 and 4) in place
+    # although their schemas do not say so (``Tensor? running_mean``, no ``(a!)``).
+    aten = torch.ops.aten
+    ops = {}
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            ops[packet.default] = (3, 4)
+    return ops
+
+
+_UNANNOTATED_WRITES = _unannotated_writes()
+
+
+def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    for i in _UNANNOTATED_WRITES.get(func, ()):
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            yield args[i]
+    schema = func._schema
+    if not schema.is_mutable:
+        return
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+class Region:
+    """Inputs, watched storages and their pre-forward values for one checkpointed call."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.watched: dict[int, torch.Tensor] = {}
+        self.before: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, list[tuple[weakref.ref, str]]] = {}
+        self.input_versions: dict[int, int] = {}
+        for i, t in enumerate(self.input_tensors()):
+            self.watched.setdefault(storage_key(t), t)
+
+    def input_tensors(self) -> list[torch.Tensor]:
+        leaves, _ = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+    # -- forward -------------------------------------------------------------
+    def watch_buffers(self, module: nn.Module) -> None:
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            key = storage_key(buf)
+            self.watched.setdefault(key, buf)
+            owners = self.buffers.setdefault(key, [])
+            if not any(ref() is module and n == name for ref, n in owners):
+                owners.append((weakref.ref(module), name))
+
+    def note_write(self, t: torch.Tensor) -> None:
+        key = storage_key(t)
+        if key in self.watched and key not in self.before:
+            with torch.no_grad():
+                self.before[key] = self.watched[key].detach().clone()
+
+    def finish_forward(self) -> None:
+        self.input_versions = {id(t): t._version for t in self.input_tensors()}
+        # Buffers that were only read need no copy: recompute may use them as they are.
+        self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
+
+    # -- recompute -----------------------------------------------------------
+    def recompute_inputs(self) -> tuple[tuple, dict]:
+        from remat.errors import RematError
+
+        def fresh(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            key = storage_key(t)
+            if key in self.before:
+                with torch.no_grad():
+                    copy = self.before[key].detach()
+                copy = copy.requires_grad_(t.requires_grad)
+                # clone() so that an in-place op on it is not an in-place op on a leaf.
+                return copy.clone()
+            if t._version != self.input_versions.get(id(t), t._version):
+                raise RematError(
+                    "remat.checkpoint: an input of a checkpointed function was modified in place "
+                    f"after the call (version {self.input_versions[id(t)]} -> {t._version}, shape "
+                    f"{tuple(t.shape)}); recomputing from it would give wrong gradients. Clone the "
+                    "tensor before modifying it, or modify it inside the checkpointed function."
+                )
+            return t
+
+        return torch.utils._pytree.tree_map(fresh, (self.args, self.kwargs))
+
+    @contextlib.contextmanager
+    def swapped_buffers(self) -> Iterator[None]:
+        swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+        for key, owners in self.buffers.items():
+            for ref, name in owners:
+                module = ref()
+                if module is None:
+                    continue
+                swapped.append((module, name, module._buffers[name]))
+                module._buffers[name] = self.before[key].clone()
+        try:
+            yield
+        finally:
+            for module, name, original in reversed(swapped):
+                module._buffers[name] = original
+
+
+class _CopyOnWrite(TorchDispatchMode):
+    """Copies a watched storage right before the first op that writes to it."""
+
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        for t in _written_tensors(func, args, kwargs):
+            self.region.note_write(t)
+        return func(*args, **kwargs)
+
+
+class ForwardContext:
+    """Entered around the checkpointed forward: watch buffers, copy before writes."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        hook = nn.modules.module.register_module_forward_pre_hook(
+            lambda module, _args: self.region.watch_buffers(module)
+        )
+        stack.callback(hook.remove)
+        stack.enter_context(_CopyOnWrite(self.region))
+        self._stack = stack
+
+    def __exit__(self, exc_type, *exc) -> None:  # noqa: ANN001
+        self._stack.close()
+        if exc_type is None:
+            self.region.finish_forward()
+
+
+class RecomputeContext:
+    """Entered around every recomputation (more than one with ``retain_graph=True``)."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        _local.recomputing = getattr(_local, "recomputing", 0) + 1
+
+        def done() -> None:
+            _local.recomputing -= 1
+
+        stack.callback(done)
+        stack.enter_context(self.region.swapped_buffers())
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN001
+        self._stacks.pop().close()
+
+
+class Stacked:
+    """Re-enterable composition of context managers (torch reuses the recompute context)."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = contexts
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for c in self.contexts:
+            stack.enter_context(c)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc) -> bool | None:  # noqa: ANN001
+        return self._stacks.pop().__exit__(*exc)

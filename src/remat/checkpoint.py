@@ -1,0 +1,212 @@
+"""``remat.checkpoint``: activation checkpointing that cannot silently freeze weights.
+
+NOTE [Why a wrapper around torch's non-reentrant checkpoint]
+The seed bug (a block on raw input trains nothing) comes from the reentrant
+implementation, which only builds a graph when an *input* requires grad. The
+non-reentrant implementation records the graph normally and only swaps saved
+tensors for recompute handles, so parameters always get gradients; remat always
+uses it. On top, remat adds what torch 2.13 still gets wrong (see
+``remat._region``): buffers updated once per step and in-place ops on inputs.
+
+The function's inputs are handed to torch inside an opaque holder, not as tensor
+arguments: torch would keep them with a version check and refuse any in-place
+op the function itself performs on them. The region keeps them instead, with its
+own check against modification after the call. One empty tensor per device is
+passed so that torch still stashes and restores the right device RNG streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint as _torch_checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from remat._region import ForwardContext, RecomputeContext, Region, Stacked
+from remat.errors import RematError
+
+__all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Policies a block can have: keep everything, selective, or recompute everything.
+POLICIES = ("keep", "selective", "full")
+
+_aten = torch.ops.aten
+#: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
+#: On CPU SDPA dispatches to the ``_for_cpu`` flash kernel (see measurements.md).
+SAVE_OPS = frozenset(
+    op
+    for op in (
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten.convolution.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
+    )
+    if op is not None
+)
+
+
+def _save_compute_intensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _policy_contexts(policy: Any) -> Callable[[], tuple[Any, Any]] | None:
+    if policy in (None, "full", "keep"):
+        return None
+    if policy == "selective":
+        return functools.partial(create_selective_checkpoint_contexts, _save_compute_intensive)
+    if callable(policy) or isinstance(policy, (list, tuple, set, frozenset)):
+        ops = list(policy) if not callable(policy) else policy
+        return functools.partial(create_selective_checkpoint_contexts, ops)
+    raise RematError(
+        f"remat.checkpoint: unknown policy {policy!r}; use 'full', 'selective', 'keep', a list of aten ops "
+        "to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
+    )
+
+
+def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above.
+    leaves, _ = tree_flatten((args, kwargs))
+    devices = {t.device: None for t in leaves if isinstance(t, torch.Tensor)}
+    return [torch.empty(0, device=d) for d in devices]
+
+
+def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
+    region = Region(args, kwargs)
+    sac = _policy_contexts(policy)
+    phase = {"forward": True}
+
+    def context_fn() -> tuple[Any, Any]:
+        fwd, rec = sac() if sac is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        return Stacked(ForwardContext(region), fwd), Stacked(RecomputeContext(region), rec)
+
+    def run(_holder: Region, *_markers: torch.Tensor) -> Any:
+        if phase["forward"]:
+            phase["forward"] = False
+            return fn(*region.args, **region.kwargs)
+        rargs, rkwargs = region.recompute_inputs()
+        return fn(*rargs, **rkwargs)
+
+    return _torch_checkpoint(
+        run,
+        region,
+        *_device_markers(args, kwargs),
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+    )
+
+
+def checkpoint(
+    fn: Callable | None = None,
+    *args: Any,
+    policy: Any = "full",
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint`` that is always
+    non-reentrant and adds these guarantees: parameters used inside get gradients
+    whatever the inputs' ``requires_grad``; gradients equal the un-checkpointed
+    run's (RNG restored for dropout); module buffers such as BatchNorm running
+    statistics change once per step; in-place ops on the inputs work.
+
+    Args:
+        fn: the function or module to run. Called without ``fn``,
+            ``remat.checkpoint(policy=...)`` returns a decorator.
+        policy: ``"full"`` recomputes everything; ``"selective"`` keeps the
+            outputs of matmuls, convolutions and attention and recomputes the
+            rest; a list of aten ops to keep, or a torch selective-checkpoint
+            policy function.
+        preserve_rng_state: restore the RNG streams in recompute so dropout
+            draws the same mask. Only turn off for functions that draw nothing.
+
+    ``policy`` and ``preserve_rng_state`` are remat's; every other keyword goes to ``fn``.
+    """
+    if fn is None:
+        if args or kwargs:
+            raise RematError(
+                "remat.checkpoint: arguments were given but no function; call "
+                "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
+            )
+        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state)
+    if not callable(fn):
+        raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
+    _policy_contexts(policy)  # validate before running anything
+    if policy == "keep" or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return _run_checkpointed(fn, policy, preserve_rng_state, args, kwargs)
+
+
+def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool) -> F:
+    @functools.wraps(fn)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(fn, *args, policy=policy, preserve_rng_state=preserve_rng_state, **kwargs)
+
+    return checkpointed  # type: ignore[return-value]
+
+
+class _CheckpointedForward:
+    """Instance-level ``forward`` that checkpoints the class's forward.
+
+    An instance attribute, not a wrapper module: ``state_dict`` keys and
+    parameter names stay exactly as they were (torch's ``checkpoint_wrapper``
+    inserts ``_checkpoint_wrapped_module``).
+    """
+
+    def __init__(self, module: nn.Module, policy: str, preserve_rng_state: bool, previous: Any) -> None:
+        self.inner = previous if previous is not None else type(module).forward.__get__(module)
+        self.previous = previous
+        self.policy = policy
+        self.preserve_rng_state = preserve_rng_state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(
+            self.inner, *args, policy=self.policy, preserve_rng_state=self.preserve_rng_state, **kwargs
+        )
+
+
+def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = True) -> nn.Module:
+    """Checkpoint ``module``'s forward in place (names and ``state_dict`` keys unchanged); returns it."""
+    if not isinstance(module, nn.Module):
+        raise RematError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}.")
+    if policy not in POLICIES:
+        raise RematError(f"remat.wrap: policy must be one of {POLICIES}, got {policy!r}.")
+    unwrap(module)
+    if policy != "keep":
+        previous = module.__dict__.get("forward")
+        module.forward = _CheckpointedForward(module, policy, preserve_rng_state, previous)
+    return module
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Undo :func:`wrap` on ``module`` (no-op when it is not wrapped); returns it."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        if current.previous is None:
+            del module.forward
+        else:
+            module.forward = current.previous
+    return module
+
+
+def is_wrapped(module: nn.Module) -> str | None:
+    """The policy ``module`` is wrapped with, or None."""
+    current = module.__dict__.get("forward")
+    return current.policy if isinstance(current, _CheckpointedForward) else None

@@ -1,0 +1,55 @@
+import copy
+import warnings
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_torch_checkpoint_warnings():
+    # No torch warning may reach a remat user; tests that use torch's own
+    # checkpoint on purpose suppress them locally.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="torch.utils.checkpoint")
+        yield
+
+
+def twin(model):
+    """An identical copy of ``model`` (weights, buffers, flags)."""
+    return copy.deepcopy(model)
+
+
+def grads(model):
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def assert_grads_equal(ref, model):
+    gr, gm = grads(ref), grads(model)
+    assert gr.keys() == gm.keys()
+    for name in gr:
+        if gr[name] is None:
+            assert gm[name] is None, f"{name}: expected no grad"
+        else:
+            assert gm[name] is not None, f"{name}: got no gradient"
+            assert torch.equal(gr[name], gm[name]), f"{name}: gradients differ"
+
+
+def assert_buffers_equal(ref, model):
+    for (n, a), (_, b) in zip(ref.named_buffers(), model.named_buffers(), strict=True):
+        assert torch.equal(a, b), f"buffer {n} differs: {a.flatten()[:4]} vs {b.flatten()[:4]}"
+
+
+def step(model, x, seed=1, fn=None):
+    """Forward + sum-loss + backward under ``seed``; returns (output, rng state after)."""
+    torch.manual_seed(seed)
+    out = (fn or model)(x)
+    out.float().sum().backward()
+    return out.detach(), torch.get_rng_state()
