@@ -13,6 +13,7 @@ Storages alive before tracking started (parameters, buffers, inputs) are
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,14 +36,14 @@ class StorageTracker(TorchDispatchMode):
     """Counts bytes of storages created while active, until they are freed.
 
     ``current``/``peak`` are bytes above the storages in ``known`` (which are
-    never counted). ``on_op(func, tracker)`` is called after every op, for
-    callers that build a timeline (the profiler).
+    never counted). ``on_op(func, args, kwargs, out, seconds)`` is called
+    after every op with its wall time, for callers that build a timeline.
     """
 
     def __init__(
         self,
         known: Iterable[torch.Tensor] = (),
-        on_op: Callable[[Any, StorageTracker], None] | None = None,
+        on_op: Callable[[Any, tuple, dict, Any, float], None] | None = None,
     ) -> None:
         super().__init__()
         self.known = {t.untyped_storage()._cdata for t in known}
@@ -73,7 +74,10 @@ class StorageTracker(TorchDispatchMode):
             self.current += nbytes - old
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
         leaves, _ = tree_flatten(out)
         for t in leaves:
             if isinstance(t, torch.Tensor):
@@ -81,5 +85,5 @@ class StorageTracker(TorchDispatchMode):
         if self.current > self.peak:
             self.peak = self.current
         if self.on_op is not None:
-            self.on_op(func, self)
+            self.on_op(func, args, kwargs, out, seconds)
         return out

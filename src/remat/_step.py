@@ -57,14 +57,21 @@ def training_step(
     inputs: Any,
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    before_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """Forward, loss, backward (and ``optimizer.step()`` when given). Returns the detached loss."""
+    """Forward, loss, backward (and ``optimizer.step()`` when given). Returns the detached loss.
+
+    ``before_backward`` runs between the loss and ``backward()`` (the profiler's phase marker).
+    """
     loss = compute_loss(call_model(model, inputs), loss_fn)
     if not loss.requires_grad:
         raise RematError(
             "remat: the loss does not require grad, so no parameter can be trained; "
             "check that the model has trainable parameters and that the step is not under torch.no_grad()."
         )
+    if before_backward is not None:
+        before_backward()
     loss.backward()
     if optimizer is not None:
         optimizer.step()

@@ -11,18 +11,11 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from remat._format import human_bytes
 from remat.errors import RematError
 
 # Wide enough for the tables when stdout is a pipe (rich would fall back to 80 columns).
 _console = Console(width=None if sys.stdout.isatty() else 120)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,96 @@
+"""Finding the checkpointing units ("blocks") of a model.
+
+A block is a child of a container whose children repeat (at least two non-leaf
+children of the same class): transformer layers in a ``ModuleList``, ResNet
+stages and their bottlenecks, the seed CNN's ``Sequential`` blocks. Leaves (a
+lone Linear, a ReLU) are never blocks: checkpointing one rarely pays.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from torch import nn
+
+from remat.errors import RematError
+
+#: Coarse levels with fewer blocks than this are refined one level when possible.
+_MIN_AUTO_BLOCKS = 8
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None
+
+
+def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    children = [(n, c) for n, c in module.named_children() if not _is_leaf(c)]
+    counts = Counter(type(c) for _, c in children)
+    if not any(k >= 2 for k in counts.values()):
+        return []
+    return [(n, c) for n, c in children if counts[type(c)] >= 2 or isinstance(module, (nn.Sequential, nn.ModuleList))]
+
+
+def _level(module: nn.Module, prefix: str) -> list[str]:
+    """Blocks under ``module``: the top-most repeated children found on each path."""
+    repeated = _repeated_children(module)
+    if repeated:
+        return [f"{prefix}{n}" for n, _ in repeated]
+    found: list[str] = []
+    for name, child in module.named_children():
+        found.extend(_level(child, f"{prefix}{name}."))
+    return found
+
+
+def _refine(model: nn.Module, names: list[str]) -> list[str]:
+    modules = dict(model.named_modules())
+    refined: list[str] = []
+    for name in names:
+        inner = _level(modules[name], f"{name}.")
+        refined.extend(inner or [name])
+    return refined
+
+
+def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> list[str]:
+    """Qualified names of the blocks, in registration order.
+
+    ``blocks``: None or ``"auto"`` (coarse, refined once while fewer than 8),
+    ``"coarse"``, ``"fine"`` (refined until no repeated children remain), or
+    an explicit list of module names.
+    """
+    modules = dict(model.named_modules())
+    if blocks is not None and not isinstance(blocks, str):
+        names = list(blocks)
+        unknown = [n for n in names if n not in modules]
+        if unknown:
+            raise RematError(
+                f"remat.profile: blocks {unknown} are not modules of {type(model).__name__}; "
+                f"pass names from model.named_modules(), e.g. {list(modules)[1:4]}."
+            )
+        _check_disjoint(names)
+        return names
+    mode = blocks or "auto"
+    if mode not in ("auto", "coarse", "fine"):
+        raise RematError(f"remat.profile: blocks={mode!r}; use 'auto', 'coarse', 'fine' or a list of module names.")
+    names = _level(model, "")
+    if mode == "coarse":
+        return names
+    while True:
+        if mode == "auto" and len(names) >= _MIN_AUTO_BLOCKS:
+            return names
+        refined = _refine(model, names)
+        if refined == names:
+            return names
+        names = refined
+        if mode == "auto":
+            return names
+
+
+def _check_disjoint(names: list[str]) -> None:
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise RematError(
+                    f"remat.profile: block {b!r} is inside block {a!r}; blocks must not nest. "
+                    "Name either the outer module or the inner ones."
+                )

@@ -1,0 +1,104 @@
+"""Devices to plan for, and the roofline cost model that times ops on fake tensors.
+
+GPU figures are dense (no sparsity) peaks from NVIDIA's datasheets; this CPU's
+are measured by a short micro-benchmark and cached. An op takes
+``max(FLOPs / FLOP/s, bytes moved / bandwidth)`` seconds at the target's
+achievable fraction of peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from remat.errors import RematError
+
+__all__ = ["Target", "get_target", "TARGETS"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A device's peak rates, for timing ops that never run."""
+
+    name: str
+    """Short name (``h100``, ``a100``, ``cpu``)."""
+    matmul_flops: dict[str, float]
+    """Dense matmul/conv FLOP/s by dtype name (``float32``, ``bfloat16`` ...)."""
+    bytes_per_s: float
+    """Memory bandwidth."""
+    memory_bytes: int
+    """Device memory, the natural budget."""
+    efficiency: float = 0.7
+    """Fraction of peak rates real kernels reach."""
+
+    def op_seconds(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> float:
+        """Roofline time of one op; views move no data."""
+        if getattr(func, "is_view", False):
+            return 0.0
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        dtype = str(tensors[-1].dtype).removeprefix("torch.") if tensors else "float32"
+        rate = self.matmul_flops.get(dtype, self.matmul_flops["float32"])
+        return max(flops / rate, moved / self.bytes_per_s) / self.efficiency
+
+
+TARGETS = {
+    # H100 SXM5: FP32 67 TFLOPS, TF32 495, BF16/FP16 989 (dense); HBM3 3.35 TB/s; 80 GB.
+    "h100": Target("h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 80 * 10**9),
+    # A100 SXM 80GB: FP32 19.5 TFLOPS, BF16/FP16 312 (dense); HBM2e 2.039 TB/s; 80 GB.
+    "a100": Target("a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.039e12, 80 * 10**9),
+}
+
+
+def _cache_path() -> pathlib.Path:
+    root = os.environ.get("REMAT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "remat")
+    return pathlib.Path(root) / f"cpu-torch{torch.__version__}-threads{torch.get_num_threads()}.json"
+
+
+def _median_seconds(fn: Any, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate_cpu() -> Target:
+    """Measure this CPU's matmul FLOP/s and copy bandwidth (about a second)."""
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    flops = 2 * n**3 / _median_seconds(lambda: a @ b)
+    x = torch.randn(8 * 2**20)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * 4 / _median_seconds(lambda: torch.add(x, 1, out=y))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Target("cpu", {"float32": flops, "bfloat16": flops / 2, "float16": flops / 2}, bandwidth, memory, 1.0)
+
+
+def get_target(name: str) -> Target:
+    """``h100``, ``a100``, or ``cpu`` (calibrated once, cached under ~/.cache/remat)."""
+    key = name.lower()
+    if key in TARGETS:
+        return TARGETS[key]
+    if key != "cpu":
+        raise RematError(f"remat: unknown target {name!r}; known targets: {', '.join([*TARGETS, 'cpu'])}.")
+    path = _cache_path()
+    try:
+        return Target(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        target = calibrate_cpu()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(asdict(target)))
+        except OSError:
+            pass  # a read-only home only costs a recalibration next time
+        return target
