@@ -29,7 +29,7 @@ QUICK = {
               "batch": 2},
     "vit": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "image": 32, "patch": 8, "classes": 10},
     "resnet50": {"image": 32, "batch": 2},
-}
+}  # resnet50 quick keeps the full 3-4-6-3 layout (16 blocks) on small images
 
 
 def assignments(blocks: list[str]) -> dict[str, dict[str, str]]:

@@ -182,6 +182,7 @@ def test_unknown_option_lists_the_accepted_ones():
     ("llama", {"heads": 8, "kv_heads": 3}, r"heads=8 is not a multiple of kv_heads=3"),
     ("vit", {"image": 100, "patch": 16}, r"image=100 is not a multiple of patch=16"),
     ("gpt2", {"batch": 0}, r"batch=0 is not a positive integer"),
+    ("llama", {"seq": 1}, r"seq=1 leaves no next token to predict"),
     ("gpt2", {"dropout": 1.0}, r"dropout=1.0 is outside \[0, 1\)"),
     ("llama", {"attention": "flash_attention_2"}, r"attention='flash_attention_2' is not supported"),
     ("resnet50", {"depths": (1, 1)}, r"depths has 2 stages and hidden_sizes 4"),

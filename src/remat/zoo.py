@@ -133,6 +133,18 @@ def _check_divides(name: str, big: str, big_value: int, small: str, small_value:
         )
 
 
+def _check_classes(name: str, classes: int) -> None:
+    # One label would make transformers treat the task as regression (MSE on integer labels).
+    if classes < 2:
+        raise _fail(name, f"classes={classes} leaves nothing to classify", "pass classes=2 or more")
+
+
+def _check_seq(name: str, seq: int) -> None:
+    # The model shifts labels by one: a single token leaves no target and a NaN loss.
+    if seq < 2:
+        raise _fail(name, f"seq={seq} leaves no next token to predict", "pass seq=2 or more")
+
+
 def _check_dropout(name: str, dropout: float) -> None:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise _fail(name, f"dropout={dropout!r} is outside [0, 1)", "pass e.g. dropout=0.1, or 0.0 for none")
@@ -150,6 +162,12 @@ def _import_transformers(name: str) -> Any:
         raise _fail(name, "needs the transformers package, which is not installed",
                     "install it with pip install 'remat[models]'") from None
     return transformers
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    # GPT2LMHeadModel's class name does not tell transformers its loss; without this it logs a warning.
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def _children(model: nn.Module, *paths: str) -> tuple[str, ...]:
@@ -213,6 +231,7 @@ def _gpt2(
 ) -> ZooModel:
     """GPT-2 (``GPT2LMHeadModel``); ``dropout`` sets the residual, embedding and attention dropout."""
     _check_positive("gpt2", layers=layers, hidden=hidden, heads=heads, vocab=vocab, batch=batch, seq=seq)
+    _check_seq("gpt2", seq)
     _check_divides("gpt2", "hidden", hidden, "heads", heads)
     _check_dropout("gpt2", dropout)
     _check_attention("gpt2", attention)
@@ -252,6 +271,7 @@ def _llama(
     """Llama (``LlamaForCausalLM``) with grouped-query attention (``kv_heads`` < ``heads``)."""
     _check_positive("llama", layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
                     kv_heads=kv_heads, vocab=vocab, batch=batch, seq=seq)
+    _check_seq("llama", seq)
     _check_divides("llama", "hidden", hidden, "heads", heads)
     _check_divides("llama", "hidden // heads", hidden // heads, "2 (rotary embedding pairs)", 2)
     _check_divides("llama", "heads", heads, "kv_heads", kv_heads)
@@ -273,12 +293,6 @@ def _llama(
     model = _weights(seed, lambda: _causal_lm(tf.LlamaForCausalLM(config)))
     blocks = _children(model, "model.layers")
     return ZooModel("llama", model, _lm_inputs(seed, vocab, batch, seq), None, blocks)
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    # GPT2LMHeadModel's class name does not tell transformers its loss; without this it logs a warning.
-    model.loss_type = "ForCausalLM"
-    return model
 
 
 def _vit(
@@ -321,12 +335,6 @@ def _vit(
     return ZooModel("vit", model, _image_inputs(seed, classes, batch, image), None, blocks)
 
 
-def _check_classes(name: str, classes: int) -> None:
-    # One label would make transformers treat the task as regression (MSE on integer labels).
-    if classes < 2:
-        raise _fail(name, f"classes={classes} leaves nothing to classify", "pass classes=2 or more")
-
-
 def _resnet50(
     *,
     depths: tuple[int, ...] = (3, 4, 6, 3),
@@ -338,6 +346,9 @@ def _resnet50(
     seed: int = 0,
 ) -> ZooModel:
     """ResNet (``ResNetForImageClassification``), by default ResNet-50's bottleneck layout."""
+    if not isinstance(depths, (tuple, list)) or not isinstance(hidden_sizes, (tuple, list)):
+        raise _fail("resnet50", f"depths={depths!r} and hidden_sizes={hidden_sizes!r} must be sequences",
+                    "give one entry per stage, e.g. depths=(1, 1), hidden_sizes=(32, 64)")
     depths, hidden_sizes = tuple(depths), tuple(hidden_sizes)
     _check_positive("resnet50", embedding_size=embedding_size, image=image, classes=classes, batch=batch,
                     **{f"depths[{i}]": d for i, d in enumerate(depths)})

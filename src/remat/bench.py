@@ -1,0 +1,323 @@
+"""``remat.bench``: remat beside today's options, measured side by side in one process.
+
+NOTE [How the numbers are taken]
+Every setup of a model (no checkpointing, torch on every block, sqrt(n)
+segments, torch selective, remat's plans) runs in the same process on the same
+weights and batch. Peak memory comes from one tracked step of each
+(``remat.measure``); step time from interleaved rounds (A B C A B C ...) after a
+warm-up round, as a median, so that drift on a shared machine hits every setup
+alike. Gradients and buffers after one step are compared bit for bit with no
+checkpointing under the same seed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat._bench_setups import Setup, baselines, remat_plan
+from remat._step import training_step
+from remat.errors import RematError
+from remat.zoo import ZooModel, build
+
+__all__ = ["BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch", "run_bench", "search_max", "QUICK"]
+
+Progress = Callable[[str, int, int], None]
+
+#: Small sizes for ``--quick`` (the smoke test in the suite).
+QUICK: dict[str, dict[str, Any]] = {
+    "seed-cifar": {"batch": 32},
+    "gpt2": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
+    "llama": {"layers": 4, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
+              "batch": 2},
+    "vit": {"layers": 4, "hidden": 64, "intermediate": 128, "heads": 4, "image": 32, "patch": 8, "classes": 10},
+    "resnet50": {"image": 32, "batch": 2, "depths": (1, 1), "hidden_sizes": (32, 64), "embedding_size": 16,
+                 "classes": 10},
+}
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One setup of one model."""
+
+    model: str
+    setup: str
+    kind: str
+    """``baseline`` or ``remat``."""
+    peak_bytes: int
+    peak_ratio: float
+    """Peak over the peak without checkpointing."""
+    time_s: float
+    """Median step time."""
+    time_ratio: float
+    """Step time over the step time without checkpointing (same rounds)."""
+    grads_equal: bool
+    """Every gradient ``torch.equal`` to no checkpointing's."""
+    buffers_equal: bool
+    """Every buffer (BatchNorm statistics ...) ``torch.equal`` after one step."""
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None
+
+    @property
+    def predicted_error(self) -> float | None:
+        if self.predicted_peak_bytes is None:
+            return None
+        return (self.predicted_peak_bytes - self.peak_bytes) / self.peak_bytes
+
+
+@dataclass
+class BenchReport:
+    """Rows of every model, and what was run where."""
+
+    rows: list[BenchRow]
+    meta: dict[str, str]
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"meta": self.meta, "notes": self.notes,
+                "rows": [{**asdict(r), "predicted_error": r.predicted_error} for r in self.rows]}
+
+    def markdown(self) -> str:
+        from remat._bench_report import markdown
+
+        return markdown(self)
+
+
+def _same_state(ref: dict[str, torch.Tensor], model: nn.Module, what: str) -> bool:
+    items = model.named_parameters() if what == "grads" else model.named_buffers()
+    for name, t in items:
+        value = t.grad if what == "grads" else t
+        if (value is None) != (ref[name] is None) or (value is not None and not torch.equal(value, ref[name])):
+            return False
+    return True
+
+
+def _one_step_state(zoo: ZooModel, setup: Setup) -> tuple[dict, dict]:
+    state = remat._state.capture(zoo.model)
+    setup.on(zoo.model)
+    try:
+        torch.manual_seed(1234)
+        zoo.model.zero_grad(set_to_none=True)
+        training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in zoo.model.named_parameters()}
+        buffers = {n: b.clone() for n, b in zoo.model.named_buffers()}
+        return grads, buffers
+    finally:
+        setup.off(zoo.model)
+        state.restore()
+
+
+def _check(ref: tuple[dict, dict], zoo: ZooModel, setup: Setup) -> tuple[bool, bool]:
+    state = remat._state.capture(zoo.model)
+    setup.on(zoo.model)
+    try:
+        torch.manual_seed(1234)
+        zoo.model.zero_grad(set_to_none=True)
+        training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+        return _same_state(ref[0], zoo.model, "grads"), _same_state(ref[1], zoo.model, "buffers")
+    finally:
+        setup.off(zoo.model)
+        state.restore()
+
+
+def _peak(zoo: ZooModel, setup: Setup) -> int:
+    setup.on(zoo.model)
+    try:
+        return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+    finally:
+        setup.off(zoo.model)
+
+
+def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int,
+                       progress: Progress | None) -> list[float]:
+    state = remat._state.capture(zoo.model)
+    times: list[list[float]] = [[] for _ in setups]
+    try:
+        for r in range(warmup + repeat):
+            for i, setup in enumerate(setups):
+                setup.on(zoo.model)
+                zoo.model.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+                if r >= warmup:
+                    times[i].append(time.perf_counter() - start)
+                setup.off(zoo.model)
+            if progress:
+                progress(f"{zoo.name}: timing round {r + 1}/{warmup + repeat}", r + 1, warmup + repeat)
+    finally:
+        state.restore()
+    return [statistics.median(t) for t in times]
+
+
+def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int],
+                  notes: list[str]) -> list[Setup]:
+    setups = []
+    minimum = remat.plan(prof, 1.0).min_peak_bytes
+    wanted = [(f"remat {b}", b if b != "min" else minimum) for b in budgets]
+    wanted += [(f"remat @ peak of {name}", peak) for name, peak in baseline_peaks.items() if name != "none"]
+    for label, budget in wanted:
+        try:
+            plan = remat.plan(prof, budget)
+        except RematError:
+            notes.append(f"{label}: budget below the minimum peak remat can reach ({minimum} bytes); not run.")
+            continue
+        setups.append(remat_plan(plan, label))
+    if minimum >= 0.99 * prof.baseline_peak_bytes:
+        notes.append("No plan lowers the peak by more than 1%: it is set where recomputation rebuilds the same "
+                     "tensors (inside the first block's backward), so remat keeps every block instead of "
+                     "recomputing for nothing.")
+    return setups
+
+
+def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 1,
+                repeat: int = 5, progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
+    """Rows for one model: baselines, remat at ``budgets`` and at each baseline's measured peak."""
+    notes: list[str] = []
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=list(zoo.blocks) or None, repeat=2, warmup=1)
+    base = baselines(zoo.model, [b.name for b in prof.blocks])
+    peaks = {s.name: _peak(zoo, s) for s in base}
+    setups = base + _remat_setups(zoo, prof, budgets, peaks, notes)
+    for s in setups[len(base):]:
+        peaks[s.name] = _peak(zoo, s)
+    reference = _one_step_state(zoo, base[0])
+    times = _interleaved_times(zoo, setups, warmup=warmup, repeat=repeat, progress=progress)
+    rows = []
+    for setup, t in zip(setups, times):
+        grads_ok, buffers_ok = _check(reference, zoo, setup)
+        plan = setup.plan
+        rows.append(BenchRow(
+            model=zoo.name, setup=setup.name, kind=setup.kind, peak_bytes=peaks[setup.name],
+            peak_ratio=peaks[setup.name] / peaks["none"], time_s=t, time_ratio=t / times[0],
+            grads_equal=grads_ok, buffers_equal=buffers_ok,
+            budget_bytes=plan.budget_bytes if plan else None,
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
+            predicted_overhead=plan.predicted_overhead if plan else None,
+        ))
+    return rows, notes
+
+
+def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"),
+              options: dict[str, dict] | None = None, warmup: int = 1, repeat: int = 5,
+              progress: Progress | None = None, command: str = "") -> BenchReport:
+    """Benchmark each zoo model in ``models`` (``quick``: small sizes, 2 timed rounds)."""
+    rows: list[BenchRow] = []
+    notes: dict[str, list[str]] = {}
+    for i, name in enumerate(models):
+        sizes = {**(QUICK.get(name, {}) if quick else {}), **((options or {}).get(name, {}))}
+        if progress:
+            progress(f"{name}: profiling", i, len(models))
+        zoo = build(name, **sizes)
+        model_rows, notes[name] = bench_model(zoo, budgets=budgets, warmup=warmup,
+                                              repeat=2 if quick else repeat, progress=progress)
+        rows.extend(model_rows)
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "threads": str(torch.get_num_threads()),
+        "sizes": "quick" if quick else "zoo defaults",
+        "command": command,
+    }
+    return BenchReport(rows, meta, notes)
+
+
+def search_max(fits: Callable[[int], bool], *, start: int = 1, limit: int = 4096) -> tuple[int, list[int]]:
+    """Largest ``n`` in ``[start, limit]`` with ``fits(n)`` (assumed monotone), and every ``n`` tried.
+
+    Doubles until something does not fit, then bisects. Returns 0 when ``start`` does not fit.
+    """
+    tried: list[int] = []
+
+    def check(n: int) -> bool:
+        tried.append(n)
+        return fits(n)
+
+    if not check(start):
+        return 0, tried
+    lo, hi = start, None
+    while hi is None:
+        if lo >= limit:
+            return limit, tried
+        n = min(2 * lo, limit)
+        if check(n):
+            lo = n
+        else:
+            hi = n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if check(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, tried
+
+
+@dataclass
+class MaxBatchResult:
+    """Largest batch whose measured step peak fits a budget, per strategy."""
+
+    model: str
+    budget_bytes: int
+    batches: dict[str, int]
+    """Strategy -> largest batch that fits (0: not even ``start``)."""
+    peaks: dict[str, int]
+    """Strategy -> measured peak at that batch."""
+    tried: dict[str, list[int]]
+    """Strategy -> batch sizes tried, in order."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def markdown(self) -> str:
+        from remat._format import human_bytes
+
+        base = self.batches.get("none") or 0
+        lines = [f"Max batch for {self.model} under {human_bytes(self.budget_bytes)}:", "",
+                 "| strategy | max batch | x none | peak at that batch | batches tried |", "|---|---|---|---|---|"]
+        for s, b in self.batches.items():
+            ratio = f"{b / base:.2f}" if base else "-"
+            lines.append(f"| {s} | {b} | {ratio} | {human_bytes(self.peaks.get(s, 0))} | {self.tried[s]} |")
+        return "\n".join(lines)
+
+
+def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int]) -> bool:
+    zoo = build(name, **{**options, "batch": batch})
+    blocks = list(zoo.blocks) or remat._blocks.find_blocks(zoo.model)
+    if strategy == "remat":
+        prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=blocks, repeat=1, warmup=0)
+        try:
+            setup = remat_plan(remat.plan(prof, budget), "remat")
+        except RematError:
+            return False
+    else:
+        setup = {"none": baselines(zoo.model, blocks)[0], "every-block": baselines(zoo.model, blocks)[1]}[strategy]
+    peaks[batch] = _peak(zoo, setup)
+    return peaks[batch] <= budget
+
+
+def max_batch(name: str, budget_bytes: int, *, strategies: Sequence[str] = ("none", "every-block", "remat"),
+              options: dict | None = None, limit: int = 1024, progress: Progress | None = None) -> MaxBatchResult:
+    """Largest batch of zoo model ``name`` whose measured peak fits ``budget_bytes``, per strategy."""
+    unknown = [s for s in strategies if s not in ("none", "every-block", "remat")]
+    if unknown:
+        raise RematError(f"remat.bench.max_batch: unknown strategies {unknown}; use none, every-block, remat.")
+    options = {k: v for k, v in (options or {}).items() if k != "batch"}
+    batches, peaks, tried = {}, {}, {}
+    for i, strategy in enumerate(strategies):
+        if progress:
+            progress(f"{name}: max batch with {strategy}", i, len(strategies))
+        seen: dict[int, int] = {}
+        batches[strategy], tried[strategy] = search_max(
+            lambda b: _fits(name, options, strategy, budget_bytes, b, seen), limit=limit)
+        peaks[strategy] = seen.get(batches[strategy], 0)
+    return MaxBatchResult(name, budget_bytes, batches, peaks, tried)
