@@ -1,6 +1,7 @@
 """remat: activation checkpointing for PyTorch that is correct by construction,
 chosen automatically under a memory budget, and measured honestly."""
 
+from remat import distributed
 from remat._region import is_recomputing
 from remat.apply import apply, auto, remove
 from remat.checkpoint import POLICIES, SAVE_OPS, checkpoint, is_wrapped, unwrap, wrap
@@ -25,6 +26,7 @@ __all__ = [
     "apply",
     "auto",
     "checkpoint",
+    "distributed",
     "doctor",
     "is_recomputing",
     "is_wrapped",

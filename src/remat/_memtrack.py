@@ -9,6 +9,24 @@ its Python object is finalised, gives the bytes of tensor data alive after every
 op. This is the same accounting as ``torch.distributed._tools.mem_tracker``.
 Storages alive before tracking started (parameters, buffers, inputs) are
 "resting" and are counted once, separately, by the caller.
+
+NOTE [Sharded parameters: subclasses and resized storages]
+Under FSDP2 a parameter is a DTensor, a wrapper whose own storage is a stand-in
+of the global size; its data is the local shard, so storages are taken from the
+plain tensors inside wrapper subclasses. FSDP2 also frees and re-allocates the
+all-gathered parameters with ``UntypedStorage.resize_``, which the dispatcher
+never sees; while tracking, that method is wrapped so that the live bytes follow
+it (as ``torch.distributed._tools.mem_tracker`` does).
+
+NOTE [Resting storages nobody listed]
+Some storages live across steps without being parameters, buffers or inputs:
+DDP's gradient buckets, allocated when DDP is built and written by its reducer
+in every backward. A storage whose first appearance is as the written argument of
+an in-place or ``out=`` op, while it was neither created under tracking nor
+known, existed before the step: it is counted in ``discovered`` (resting, for the
+whole step), not in ``current``. A storage first seen otherwise (a view of a
+buffer that a collective allocated without dispatch, say) is counted from then
+on, as before.
 """
 
 from __future__ import annotations
@@ -19,16 +37,37 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from remat._region import _written_tensors
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s data: ``t`` itself, or the inner tensors of a
+    wrapper subclass (a DTensor's local shard); see NOTE [Sharded parameters]."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, n) for n in names)
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    return [p.untyped_storage() for p in plain_tensors(t)]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements on this process (the local shard of a DTensor)."""
+    return sum(p.numel() * p.element_size() for p in plain_tensors(t))
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
+        for st in storages(t):
+            seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 
@@ -46,11 +85,13 @@ class StorageTracker(TorchDispatchMode):
         on_op: Callable[[Any, tuple, dict, Any, float], None] | None = None,
     ) -> None:
         super().__init__()
-        self.known = {t.untyped_storage()._cdata for t in known}
+        self.known = {st._cdata for t in known for st in storages(t)}
         self.live: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
+        self.discovered = 0
+        """Bytes of unlisted storages that existed before tracking (NOTE [Resting storages nobody listed])."""
         self.on_op = on_op
 
     def _freed(self, key: int, _ref: weakref.ref) -> None:
@@ -59,7 +100,10 @@ class StorageTracker(TorchDispatchMode):
         self.current -= nbytes
 
     def _add(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
+        for st in storages(t):
+            self._add_storage(st)
+
+    def _add_storage(self, st: torch.UntypedStorage) -> None:
         key = st._cdata
         if key in self.known:
             return
@@ -73,13 +117,45 @@ class StorageTracker(TorchDispatchMode):
             self.live[key] = nbytes
             self.current += nbytes - old
 
+    def _discover(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if not getattr(getattr(func, "_schema", None), "is_mutable", False):
+            return
+        for t in _written_tensors(func, args, kwargs):
+            for st in storages(t):
+                if st._cdata not in self.live and st._cdata not in self.known:
+                    self.known.add(st._cdata)
+                    self.discovered += st.nbytes()
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        if st._cdata in self.live or st.nbytes() > 0:
+            self._add_storage(st)
+            self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> StorageTracker:
+        original = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = original(st, size)
+            self._resized(st)
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_  # see NOTE [Sharded parameters]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._original_resize
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         start = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - start
-        leaves, _ = tree_flatten(out)
-        for t in leaves:
+        self._discover(func, args, kwargs)
+        for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
         if self.current > self.peak:

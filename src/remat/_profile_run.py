@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from remat._hf import cache_disabled
-from remat._memtrack import StorageTracker, storage_bytes
+from remat._memtrack import StorageTracker, storage_bytes, tensor_bytes
 from remat._state import capture
 from remat._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat._trace import OpCost, Segment, SegmentRecorder
@@ -93,6 +93,30 @@ def _recompute_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str, floa
     op_s = sum(s.op_s for s in fwd_segments)
     kept = sum(s.save_op_s for s in fwd_segments) / op_s if op_s > 0 else 0.0
     return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "full": fwd_s}
+
+
+def _calibrated(blocks: tuple[BlockProfile, ...], totals: dict[str, list[float]], fake: bool) -> tuple:
+    """Scale each policy's modelled extra times so that they sum to the measured difference
+    of whole-step medians (every block under that policy vs none).
+
+    The model knows which block costs what; the whole-step difference, a median over
+    interleaved runs, knows the real total, checkpointing bookkeeping included. Per-block
+    differences are too noisy to use directly. The scale is bounded to [0.5, 4] so that one
+    disturbed run cannot zero or explode a policy's cost.
+    """
+    if fake or not totals.get("keep"):
+        return blocks
+    base = statistics.median(totals["keep"])
+    scale = {}
+    for policy, times in totals.items():
+        modelled = sum(b.extra_time_s[policy] for b in blocks)
+        if policy == "keep" or not times or modelled <= 0:
+            continue
+        scale[policy] = min(4.0, max(0.5, (statistics.median(times) - base) / modelled))
+    return tuple(
+        BlockProfile(**{**b.__dict__, "extra_time_s": {p: t * scale.get(p, 1.0) for p, t in b.extra_time_s.items()}})
+        for b in blocks
+    )
 
 
 def _block_profiles(
@@ -218,10 +242,10 @@ def _assemble(
     return Profile(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
-        blocks=_block_profiles(names, segments, traced, io_bytes, policies),
+        blocks=_calibrated(_block_profiles(names, segments, traced, io_bytes, policies), totals, fake),
         resting_bytes=storage_bytes(_resting(model, inputs)),
         param_bytes=storage_bytes(params),
-        grad_bytes=sum(p.numel() * p.element_size() for p in trainable_parameters(model).values()),
+        grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
         step_time_s=step_time,
         policies=tuple(policies),
         fwd_order=[s.key for s in keep if s.phase == "fwd"],

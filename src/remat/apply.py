@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from remat._blocks import find_blocks
+from remat._conflicts import check_no_double_checkpointing
 from remat._hf import disable_cache, restore_cache
 from remat.checkpoint import is_wrapped, unwrap, wrap
 from remat.errors import RematError
@@ -30,6 +32,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"remat.apply: the plan names modules this {type(model).__name__} does not have: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}; was the plan made for another model?"
         )
+    check_no_double_checkpointing(model, plan.checkpointed, api="remat.apply")
     done: list[nn.Module] = []
     try:
         for name, policy in plan.assignment.items():
@@ -61,6 +64,7 @@ def auto(model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, **p
     ``profile_options`` go to :func:`remat.profile` (``blocks``, ``repeat`` ...).
     Nothing is applied when profiling or planning fails.
     """
+    check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)
     try:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    _StopRecomputationError as _StopRecomputation,
     checkpoint as _torch_checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -100,7 +101,17 @@ def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args:
             phase["forward"] = False
             return fn(*region.args, **region.kwargs)
         rargs, rkwargs = region.recompute_inputs()
-        return fn(*rargs, **rkwargs)
+        try:
+            return fn(*rargs, **rkwargs)
+        except (_StopRecomputation, RematError):
+            raise  # torch's early stop, or our own message
+        except Exception as exc:
+            raise RematError(
+                f"remat.checkpoint: {getattr(fn, '__qualname__', type(fn).__name__)} failed when rerun in backward "
+                f"({type(exc).__name__}: {exc}). The function must compute the same thing again: a forward side "
+                "effect (a Hugging Face KV cache: set model.config.use_cache=False; a counter or cache of your "
+                "own: guard it with `if not remat.is_recomputing()`) or data-dependent control flow changed it."
+            ) from exc
 
     return _torch_checkpoint(
         run,

@@ -1,34 +1,38 @@
-"""The ``remat`` command line. Each command: a parser function and a command function;
-numbers come from the library, this module only renders them."""
+"""The ``remat`` command line: profile, plan and diagnose a model, benchmark the zoo.
+
+MODEL is a zoo name with options (``gpt2 --layers 6 --seq 256 --batch 4``) or
+``path/to/file.py:factory`` (a function returning ``(model, inputs)``,
+``(model, inputs, loss_fn)`` or a ``remat.zoo.ZooModel``).
+
+Exit status: 0 on success; 1 when ``remat doctor`` finds an error (a finding of
+severity "error": training differs from the model without checkpointing; warnings
+alone exit 0) or ``remat demo`` sees remat train differently; 2 on bad usage or
+bad input (unknown model, missing file or factory, bad or infeasible budget, any
+``remat.RematError``), with one line on stderr and no traceback (``-vv`` adds it).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
+import traceback
 from collections.abc import Sequence
 
-from rich.console import Console
 from rich.table import Table
 
+from remat._cli_bench import cmd_bench, cmd_max_batch
+from remat._cli_commands import _STRATEGY_HELP, cmd_doctor, cmd_plan, cmd_profile
+from remat._cli_model import add_model_options
+from remat._cli_ui import Ui, error_line
 from remat._format import human_bytes
 from remat.errors import RematError
 
-# Wide enough for the tables when stdout is a pipe (rich would fall back to 80 columns).
-_console = Console(width=None if sys.stdout.isatty() else 120)
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the seed 000 CNN: remat vs no checkpointing vs the seed's reentrant bug")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10)
-    p.set_defaults(command=_cmd_demo)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     from remat._demo import run_demo
 
-    with _console.status("training the seed 000 CNN three ways ..."):
+    with ui.status("training the seed 000 CNN three ways ..."):
         variants = run_demo(batch=args.batch, steps=args.steps)
     ref = variants[0]
     table = Table(title=f"seed 000 CIFAR-10 CNN, batch {args.batch}, {args.steps} SGD steps")
@@ -44,36 +48,147 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"{v.losses[-1]:.4f}",
             "yes (bit-equal)" if v.losses == ref.losses else "NO",
         )
-    _console.print(table)
+    ui.show(table)
     remat_ok = variants[1].losses == ref.losses and not variants[1].frozen
     bug = variants[2]
-    _console.print(
+    ui.say(
         f"remat: loss sequence bit-equal to no checkpointing: {'yes' if remat_ok else 'NO'}. "
         f"Reentrant torch checkpoint: {len(bug.frozen)} parameters never trained "
         f"({', '.join(bug.frozen) or 'none'})."
     )
-    return 0 if remat_ok else 1
+    if args.no_plan:
+        return 0 if remat_ok else 1
+    from remat._demo import run_plan_demo
+
+    with ui.status("profiling, planning and verifying GPT-2 under a budget of 0.6 ..."):
+        demo = run_plan_demo(budget=0.6)
+    plan, base, ours = demo.plan, demo.baseline, demo.planned
+    table = Table(title=f"remat.auto on {demo.model}, budget 0.6 of the peak without checkpointing")
+    for col in ("", "peak", "step time", "grads"):
+        table.add_column(col)
+    table.add_row("no checkpointing", human_bytes(base.peak_bytes), f"{base.step_time_s * 1e3:.0f} ms", "reference")
+    table.add_row(
+        f"remat plan (budget {human_bytes(plan.budget_bytes)})",
+        f"{human_bytes(ours.peak_bytes)} (predicted {human_bytes(plan.predicted_peak_bytes)})",
+        f"{ours.step_time_s * 1e3:.0f} ms ({ours.step_time_s / base.step_time_s:.2f}x; "
+        f"predicted {1 + plan.predicted_overhead:.2f}x)",
+        "bit-equal" if demo.grads_equal else "DIFFER",
+    )
+    ui.show(table)
+    fits = ours.peak_bytes <= plan.budget_bytes
+    ui.say(f"{plan.summary()} Measured peak within budget: {'yes' if fits else 'NO'}.")
+    return 0 if remat_ok and fits and demo.grads_equal else 1
+
+
+def _common() -> argparse.ArgumentParser:
+    # SUPPRESS: a subcommand's -q/-v must not reset what was given before the subcommand.
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="print one JSON document on stdout and nothing else (status goes to stderr)")
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="errors only, no spinners")
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="log what runs (-vv: debug, and tracebacks on errors)")
+    return p
+
+
+def _model_parent(*, batch: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("model", metavar="MODEL",
+                   help="a zoo name (gpt2, llama, vit, resnet50, seed-cifar) or file.py:factory")
+    p.add_argument("--device", metavar="cpu|cuda", help="move model, inputs and the loss's targets there "
+                   "(default: where the model was built, CPU for zoo models)")
+    add_model_options(p, batch=batch)
+    return p
+
+
+def _profile_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--fake", action="store_true", help="profile on fake tensors: plan without allocating "
+                   "(zoo models are built on the meta device)")
+    p.add_argument("--target", choices=("h100", "a100", "cpu"), help="with --fake: the device whose roofline times ops")
+    p.add_argument("--blocks", metavar="auto|coarse|fine|A,B,...", help="the checkpointing units (default auto)")
+    p.add_argument("--repeat", type=int, default=3, metavar="N", help="timed steps per policy (default 3)")
+    return p
+
+
+def _add_commands(sub: argparse._SubParsersAction) -> None:
+    common, model, prof = _common(), _model_parent(), _profile_parent()
+    p = sub.add_parser("profile", parents=[common, model, prof], help="per-block memory and time, per policy")
+    p.add_argument("--out", metavar="FILE", help="also write the full profile (remat.Profile.to_json)")
+    p.set_defaults(command=cmd_profile)
+
+    p = sub.add_parser("plan", parents=[common, model, prof], help="the fastest policy per block within a budget")
+    p.add_argument("--budget", metavar="0.5|6GiB", help="fraction of the peak without checkpointing, or bytes")
+    p.add_argument("--strategy", default="optimal", metavar="NAME", help=_STRATEGY_HELP)
+    p.add_argument("--out", metavar="FILE", help="write the plan as JSON (remat.Plan.from_json reads it)")
+    p.set_defaults(command=cmd_plan)
+
+    p = sub.add_parser("doctor", parents=[common, model], help="find silent checkpointing bugs; exit 1 on errors")
+    p.add_argument("--plan", metavar="FILE", help="apply this plan (from remat plan --out) first, then diagnose")
+    p.add_argument("--no-measure", action="store_true", help="skip measuring peak and time (faster; fewer checks)")
+    p.add_argument("--repeat", type=int, default=3, metavar="N", help="timed rounds (default 3)")
+    p.set_defaults(command=cmd_doctor)
+
+    p = sub.add_parser("demo", parents=[common],
+                       help="the main job: the seed 000 CNN three ways, then profile, plan and verify GPT-2")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--no-plan", action="store_true", help="only the seed 000 part (skip the GPT-2 plan)")
+    p.set_defaults(command=_cmd_demo)
+
+
+def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
+    common = _common()
+    p = sub.add_parser("bench", parents=[common], help="zoo models under every strategy and budget, side by side")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="zoo names")
+    p.add_argument("--quick", action="store_true", help="small sizes (remat.bench.QUICK) and 2 timed rounds")
+    p.add_argument("--budgets", metavar="0.9,0.5,min", help="comma-separated budgets for remat's plans")
+    p.add_argument("--repeat", type=int, metavar="N", help="timed rounds per model (default: remat.bench's)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the markdown table")
+    add_model_options(p)
+    p.set_defaults(command=cmd_bench)
+
+    p = sub.add_parser("max-batch", parents=[common], help="the largest batch that fits a budget, per strategy")
+    p.add_argument("model", metavar="MODEL", help="a zoo name")
+    p.add_argument("--budget", required=True, metavar="6GiB", help="bytes (a fraction has no fixed meaning here)")
+    p.add_argument("--strategies", metavar="none,every-block,remat", help="comma-separated strategies to compare")
+    p.add_argument("--limit", type=int, metavar="N", help="largest batch to try (default: remat.bench's)")
+    add_model_options(p, batch=False)
+    p.set_defaults(command=cmd_max_batch)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remat", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="count", default=0)
-    parser.add_argument("-q", "--quiet", action="store_true")
+    parser = argparse.ArgumentParser(prog="remat", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log what runs (-vv: debug, tracebacks)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="errors only, no spinners")
     sub = parser.add_subparsers(dest="name", required=True)
-    _add_demo(sub)
+    _add_commands(sub)
+    _add_bench_commands(sub)
     return parser
 
 
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.ERROR if args.quiet else {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else logging.INFO if args.verbose else logging.WARNING)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["remat", *argv])  # recorded in benchmark reports
+    _configure_logging(args)
+    ui = Ui(json=getattr(args, "json", False), quiet=args.quiet)
     try:
-        return args.command(args)
+        return args.command(args, ui)
     except RematError as exc:
-        _console.print(f"[red]error:[/red] {exc}", highlight=False)
+        if args.verbose > 1:
+            traceback.print_exc()
+        error_line(str(exc))
         return 2
+    except KeyboardInterrupt:
+        error_line("interrupted.")
+        return 130
 
 
 if __name__ == "__main__":

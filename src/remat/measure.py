@@ -100,10 +100,11 @@ def measure_peak(
         _sync(device)
         return torch.cuda.max_memory_allocated(device), resting, float(loss)
     resting_tensors = _resting_tensors(model, inputs, optimizer)
-    resting = storage_bytes(resting_tensors)
     tracker = StorageTracker(known=resting_tensors)
     with tracker:
         loss = training_step(model, inputs, loss_fn, optimizer)
+    # ``discovered``: resting storages that are not the model's, such as DDP's gradient buckets.
+    resting = storage_bytes(resting_tensors) + tracker.discovered
     return resting + tracker.peak, resting, float(loss)
 
 
