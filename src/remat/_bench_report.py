@@ -35,7 +35,7 @@ def targets(rows: list[BenchRow]) -> list[str]:
             f"matched by {best.setup} ({best.peak_ratio:.2f}, {best.time_ratio:.2f}x)" if best
             else "**not matched** by any remat point"))
     for r in ours:
-        if r.budget_bytes and 0.6 <= r.budget_bytes / none.peak_bytes <= 0.9 and r.setup.startswith("remat 0"):
+        if r.budget_bytes and 0.6 <= r.budget_bytes / none.peak_bytes <= 0.9 and "remat 0" in r.setup:
             fitting = [b for b in base if b.peak_bytes <= r.budget_bytes]
             if fitting:
                 cheapest = min(fitting, key=lambda b: b.time_ratio)
@@ -44,7 +44,7 @@ def targets(rows: list[BenchRow]) -> list[str]:
                            f"{cheapest.setup} {cheapest.time_ratio - 1:+.2f} -> {'at most half' if ok else '**more than half**'}")
     dominated = [r.setup for r in ours for b in base if b.peak_bytes < r.peak_bytes and b.time_ratio < r.time_ratio]
     out.append("remat points dominated by a baseline: " + (", ".join(sorted(set(dominated))) or "none"))
-    fractions = sorted((r for r in ours if r.setup.startswith("remat 0") or r.setup == "remat min"),
+    fractions = sorted((r for r in ours if "remat 0" in r.setup or "remat min" in r.setup),
                        key=lambda r: -(r.budget_bytes or 0))
     rising = [f"{a.setup} -> {b.setup}" for a, b in zip(fractions, fractions[1:]) if b.peak_bytes > a.peak_bytes]
     out.append("measured peak rises as the budget falls: " + (", ".join(rising) or "never"))

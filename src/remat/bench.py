@@ -27,6 +27,7 @@ import remat
 from remat._bench_setups import Setup, baselines, remat_plan
 from remat._step import training_step
 from remat.errors import RematError
+from remat.plan import Plan
 from remat.zoo import ZooModel, build
 
 __all__ = ["BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch", "run_bench", "search_max", "QUICK"]
@@ -161,22 +162,24 @@ def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, r
 
 def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int],
                   notes: list[str]) -> list[Setup]:
-    setups = []
+    """One setup per distinct plan; budgets that give the same plan share its row (label ``a = b``)."""
     minimum = remat.plan(prof, 1.0).min_peak_bytes
     wanted = [(f"remat {b}", b if b != "min" else minimum) for b in budgets]
     wanted += [(f"remat @ peak of {name}", peak) for name, peak in baseline_peaks.items() if name != "none"]
+    plans: dict[tuple, tuple[list[str], Plan]] = {}
     for label, budget in wanted:
         try:
             plan = remat.plan(prof, budget)
         except RematError:
             notes.append(f"{label}: budget below the minimum peak remat can reach ({minimum} bytes); not run.")
             continue
-        setups.append(remat_plan(plan, label))
+        key = tuple(sorted(plan.assignment.items()))
+        plans.setdefault(key, ([], plan))[0].append(label)
     if minimum >= 0.99 * prof.baseline_peak_bytes:
         notes.append("No plan lowers the peak by more than 1%: it is set where recomputation rebuilds the same "
                      "tensors (inside the first block's backward), so remat keeps every block instead of "
                      "recomputing for nothing.")
-    return setups
+    return [remat_plan(plan, " = ".join(labels)) for labels, plan in plans.values()]
 
 
 def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 1,
