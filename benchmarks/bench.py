@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", nargs="*", default=names())
-    parser.add_argument("--max-batch", nargs="*", default=["gpt2", "llama"], help="models for the max-batch table")
+    parser.add_argument("--max-batch", nargs="*", default=["llama"], help="models for the max-batch table")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--plots", type=pathlib.Path, default=ROOT / "docs")

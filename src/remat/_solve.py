@@ -11,9 +11,9 @@ policy, since every activation it kept is freed by then; where the profile says
 otherwise the largest value is used). Every constraint is therefore a function
 of the prefix ``S`` and the block's own policy, so a DP over k with state ``S``
 finds the plan of least extra time. ``S`` is rounded *up* to a grid of
-``baseline / 2**16`` bytes: the DP never accepts a plan whose true predicted peak
+``span / 2**15`` bytes (span: the range of S): the DP never accepts a plan whose true predicted peak
 exceeds the budget, and it misses a better plan only if that plan has less than
-``n * grid`` bytes (0.3% of the baseline for 200 blocks) of slack.
+``n * grid`` bytes of slack (0.6% of the span for 200 blocks).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from remat.profile import Key, Profile
 
-_GRID_STEPS = 2**16
+_GRID_STEPS = 2**15
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,20 @@ def solve(chain: Chain, budget: float, *, minimise_peak: bool = False) -> tuple[
     if not minimise_peak and chain.pre_peak > budget:
         return None
     best: tuple[list[int], float] | None = None
-    for last in range(P):
+    # The last block's policy matters beyond its own segments only through the head's
+    # backward glue; solve once per distinct glue cost (usually one), not once per policy.
+    distinct: dict[tuple[int, int], int] = {}
+    for j in range(P):
+        distinct.setdefault((int(chain.post_delta[j]), int(chain.post_peak[j])), j)
+    for last in sorted(distinct.values()):
+        allowed_last = [j for j in range(P) if (int(chain.post_delta[j]), int(chain.post_peak[j]))
+                        == (int(chain.post_delta[last]), int(chain.post_peak[last]))]
         value = np.full(cells, np.inf)
         value[-lo // grid] = float(chain.pre_peak) if minimise_peak else 0.0
         choices = np.zeros((n, cells), np.int8)
         for k in range(n):
             candidates = np.full((P, cells), np.inf)
-            for j in [last] if k == n - 1 else range(P):
+            for j in allowed_last if k == n - 1 else range(P):
                 fwd_top = chain.start + levels + chain.fwd_peak[k, j]
                 bwd_top = (chain.start + levels + chain.fwd_delta[k, j] + chain.after[k]
                            + chain.post_delta[last] + chain.bwd_peak[k, j])

@@ -169,7 +169,15 @@ def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
 
 
 def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
-    """The lowest predicted peak and a plan that reaches it."""
+    """The lowest predicted peak and a plan that reaches it (cached on the profile: planning
+    several budgets on one profile solves for the minimum once)."""
+    cached = profile.__dict__.get("_remat_minimum")
+    if cached is None:
+        cached = profile.__dict__["_remat_minimum"] = _solve_minimum(profile)
+    return cached
+
+
+def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
     names = [b.name for b in profile.blocks]
     candidates = [{}] + [{n: p for n in names} for p in ("selective", "full") if p in profile.policies]
@@ -191,7 +199,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
             ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.
 
     For a chain of blocks the solver is a dynamic program that is exact up to a
-    rounding of live bytes to 1/65536 of the baseline peak, always on the safe
+    rounding of live bytes to 1/32768 of their range, always on the safe
     side (see ``remat._solve``). Other structures use a greedy fallback.
     """
     if not isinstance(profile, Profile):
