@@ -53,3 +53,16 @@ def step(model, x, seed=1, fn=None):
     out = (fn or model)(x)
     out.float().sum().backward()
     return out.detach(), torch.get_rng_state()
+
+
+def assert_state_equal(a, b):
+    """Two remat._state snapshots are identical: parameters, grads, flags, buffers, training, RNG."""
+    assert a.params.keys() == b.params.keys()
+    for name in a.params:
+        (da, ga, ra), (db, gb, rb) = a.params[name], b.params[name]
+        assert torch.equal(da, db) and ra == rb, name
+        assert (ga is None and gb is None) or torch.equal(ga, gb), name
+    for name in a.buffers:
+        assert torch.equal(a.buffers[name], b.buffers[name]), name
+    assert a.training == b.training
+    assert torch.equal(a.cpu_rng, b.cpu_rng)

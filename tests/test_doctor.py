@@ -18,6 +18,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 import remat
 from remat._demo import SeedCifarReentrant
 from remat._state import capture
+from conftest import assert_state_equal
 
 remat_checkpoint = importlib.import_module("remat.checkpoint")
 ORIGINALS = {
@@ -43,18 +44,6 @@ def _torch_untouched():
             assert value is None or value in ORIGINALS.values(), (name, attr, value)
 
 
-def _same_state(a, b):
-    assert a.params.keys() == b.params.keys()
-    for name in a.params:
-        (da, ga, ra), (db, gb, rb) = a.params[name], b.params[name]
-        assert torch.equal(da, db) and ra == rb, name
-        assert (ga is None and gb is None) or torch.equal(ga, gb), name
-    for name in a.buffers:
-        assert torch.equal(a.buffers[name], b.buffers[name]), name
-    assert a.training == b.training
-    assert torch.equal(a.cpu_rng, b.cpu_rng)
-
-
 def diagnose(model, inputs, loss_fn=None, **options):
     """remat.doctor, checking that it leaves the model, RNG and torch as they were and warns nothing."""
     options.setdefault("measure_cost", False)
@@ -63,7 +52,7 @@ def diagnose(model, inputs, loss_fn=None, **options):
         warnings.simplefilter("always")
         report = remat.doctor(model, inputs, loss_fn, **options)
     assert not caught, [str(w.message) for w in caught]
-    _same_state(before, capture(model))
+    assert_state_equal(before, capture(model))
     _torch_untouched()
     json.dumps(report.to_dict())
     return report
@@ -467,7 +456,7 @@ def test_model_that_raises_is_restored_and_torch_unpatched(when, stage):
     before = capture(model)
     with pytest.raises(remat.RematError, match=f"raised ValueError in the step .*{stage}.*boom"):
         remat.doctor(model, x)
-    _same_state(before, capture(model))
+    assert_state_equal(before, capture(model))
     _torch_untouched()
 
 

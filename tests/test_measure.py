@@ -11,6 +11,7 @@ import remat
 from remat._memtrack import StorageTracker, storage_bytes
 from remat._state import capture
 from remat.zoo import SeedCifarCNN
+from conftest import assert_state_equal
 
 
 
@@ -106,18 +107,6 @@ def test_measure_reports_parameters_without_gradient():
     assert set(m.missing_grads) == {f"inner.cnn_block_1.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")}
 
 
-def _state_equal(a, b):
-    assert a.params.keys() == b.params.keys()
-    for name in a.params:
-        (da, ga, ra), (db, gb, rb) = a.params[name], b.params[name]
-        assert torch.equal(da, db) and ra == rb, name
-        assert (ga is None and gb is None) or torch.equal(ga, gb), name
-    for name in a.buffers:
-        assert torch.equal(a.buffers[name], b.buffers[name]), name
-    assert a.training == b.training
-    assert torch.equal(a.cpu_rng, b.cpu_rng)
-
-
 def test_measure_restores_model_optimizer_and_rng():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
     model[3].eval()  # a mixed training flag must survive too
@@ -126,7 +115,7 @@ def test_measure_restores_model_optimizer_and_rng():
     x = torch.randn(4, 8)
     before = capture(model)
     m = remat.measure(model, x, optimizer=opt, warmup=2, repeat=2)
-    _state_equal(before, capture(model))
+    assert_state_equal(before, capture(model))
     assert opt.state_dict()["state"] == {}
     # Adam's two moments are resting memory once the warm-up created them.
     params = sum(p.numel() * 4 for p in model.parameters())
@@ -154,7 +143,7 @@ def test_measure_restores_even_when_the_step_raises():
     before = capture(model)
     with pytest.raises(ValueError, match="boom"):
         remat.measure(model, x, warmup=1, repeat=2)
-    _state_equal(before, capture(model))
+    assert_state_equal(before, capture(model))
 
 
 def test_bad_arguments_raise_remat_error():

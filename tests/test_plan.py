@@ -12,8 +12,7 @@ from remat._state import capture
 from remat._synthetic import synthetic_profile
 from remat.zoo import build
 
-from conftest import assert_buffers_equal, assert_grads_equal, twin
-from test_measure import _state_equal
+from conftest import assert_buffers_equal, assert_grads_equal, assert_state_equal, twin
 from test_profile import SMALL
 
 
@@ -114,7 +113,7 @@ def test_bad_budgets_raise_and_leave_model_untouched(profiled, budget):
         remat.plan(prof, budget)
     with pytest.raises(remat.RematError, match="budget"):
         remat.auto(zoo.model, zoo.inputs, budget, loss_fn=zoo.loss_fn, repeat=1, warmup=0)
-    _state_equal(before, capture(zoo.model))
+    assert_state_equal(before, capture(zoo.model))
     assert all(remat.is_wrapped(m) is None for m in zoo.model.modules())
     assert zoo.model.config.use_cache is False  # the zoo builds for training; untouched either way
 

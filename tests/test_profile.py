@@ -10,8 +10,8 @@ import remat
 from remat._blocks import find_blocks
 from remat._state import capture
 from remat.zoo import build
+from conftest import assert_state_equal
 
-from test_measure import _state_equal
 
 SMALL = {
     "seed-cifar": {"batch": 16},
@@ -107,7 +107,7 @@ def test_profile_restores_model_state(profiles):
     zoo.model.head.eval()
     before = capture(zoo.model)
     remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0)
-    _state_equal(before, capture(zoo.model))
+    assert_state_equal(before, capture(zoo.model))
     assert all(remat.is_wrapped(m) is None for m in zoo.model.modules())
 
 
@@ -132,7 +132,7 @@ def test_profile_restores_model_state_when_it_raises():
     before = capture(model)
     with pytest.raises(ValueError, match="boom"):
         remat.profile(model, x, repeat=1, warmup=0)
-    _state_equal(before, capture(model))
+    assert_state_equal(before, capture(model))
     assert remat.is_wrapped(model.blocks[0]) is None and remat.is_wrapped(model.blocks[1]) == "selective"
 
 
