@@ -172,44 +172,30 @@ def run_profile(
     state = capture(model)
     switch = _Policies(model, names)
     with cache_disabled(model):
-        return _profile_steps(model, inputs, loss_fn, names, policies, warmup, repeat, state, switch)
-
-
-def _profile_steps(
-    model: nn.Module,
-    inputs: Any,
-    loss_fn: LossFn | None,
-    names: Sequence[str],
-    policies: Sequence[str],
-    warmup: int,
-    repeat: int,
-    state: Any,
-    switch: _Policies,
-) -> Profile:
-    try:
-        traced: dict[str, list[Segment]] = {}
-        io_bytes: dict[str, tuple[int, int]] = {}
-        for policy in policies:
-            switch.set(policy)
-            traced[policy], io, _ = traced_step(model, inputs, loss_fn, names)
-            io_bytes = io_bytes or io
-            state.restore()
-        _check_same_structure(traced)
-        seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
-        totals: dict[str, list[float]] = {p: [] for p in policies}
-        for i in range(warmup + repeat):
-            for policy in policies:  # interleaved, so drift hits every policy alike
+        try:
+            traced: dict[str, list[Segment]] = {}
+            io_bytes: dict[str, tuple[int, int]] = {}
+            for policy in policies:
                 switch.set(policy)
-                segs = _timed_segments(model, inputs, loss_fn, names)
+                traced[policy], io, _ = traced_step(model, inputs, loss_fn, names)
+                io_bytes = io_bytes or io
                 state.restore()
-                if i >= warmup:
-                    totals[policy].append(sum(s.seconds for s in segs))
-                    for s in segs:
-                        seconds[policy][s.key].append(s.seconds)
-    finally:
-        switch.restore()
-        state.restore()
-    return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, totals)
+            _check_same_structure(traced)
+            seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
+            totals: dict[str, list[float]] = {p: [] for p in policies}
+            for i in range(warmup + repeat):
+                for policy in policies:  # interleaved, so drift hits every policy alike
+                    switch.set(policy)
+                    segs = _timed_segments(model, inputs, loss_fn, names)
+                    state.restore()
+                    if i >= warmup:
+                        totals[policy].append(sum(s.seconds for s in segs))
+                        for s in segs:
+                            seconds[policy][s.key].append(s.seconds)
+        finally:
+            switch.restore()
+            state.restore()
+        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, totals)
 
 
 def _assemble(

@@ -293,7 +293,8 @@ def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peak
         except RematError:
             return False
     else:
-        setup = {"none": baselines(zoo.model, blocks)[0], "every-block": baselines(zoo.model, blocks)[1]}[strategy]
+        none, every, *_ = baselines(zoo.model, blocks)
+        setup = {"none": none, "every-block": every}[strategy]
     peaks[batch] = _peak(zoo, setup)
     return peaks[batch] <= budget
 
