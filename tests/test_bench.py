@@ -55,3 +55,46 @@ def test_max_batch_quick():
     assert "max batch" in result.markdown()
     with pytest.raises(remat.RematError, match="unknown strategies"):
         max_batch("llama", budget, strategies=("magic",))
+
+
+def _row(setup, kind, peak, ratios, budget=None):
+    from statistics import median
+
+    from remat.bench import BenchRow
+
+    return BenchRow(model="m", setup=setup, kind=kind, peak_bytes=peak, peak_ratio=peak / 100, time_s=1.0,
+                    time_ratio=median(ratios), grads_equal=True, buffers_equal=True, budget_bytes=budget,
+                    predicted_peak_bytes=peak if kind == "remat" else None,
+                    predicted_overhead=0.1 if kind == "remat" else None, round_ratios=tuple(ratios))
+
+
+def test_paired_difference_median_and_interval():
+    from remat._bench_report import paired_difference
+
+    a = _row("a", "remat", 50, [1.10, 1.20, 1.15, 1.30, 1.12])
+    b = _row("b", "baseline", 50, [1.00, 1.10, 1.05, 1.20, 1.02])
+    d, lo, hi = paired_difference(a, b)
+    assert d == pytest.approx(0.10) and lo == pytest.approx(0.10) and hi == pytest.approx(0.10)
+    half, _, _ = paired_difference(a, b, share=0.5)  # overhead minus half the baseline's
+    assert half == pytest.approx(0.15 - 0.5 * 0.05)
+    noisy = _row("n", "remat", 50, [1.3, 0.9, 1.3, 0.9, 1.3])
+    d, lo, hi = paired_difference(noisy, _row("one", "baseline", 100, [1.0] * 5))
+    assert lo < d <= hi and lo <= -0.05 and hi >= 0.25
+
+
+def test_targets_say_matched_within_noise_and_not_matched():
+    none = _row("none", "baseline", 100, [1.0] * 6)
+    every = _row("every block (torch)", "baseline", 40, [1.30, 1.31, 1.29, 1.30, 1.30, 1.32])
+    sac = _row("torch SAC", "baseline", 70, [1.10, 1.12, 1.08, 1.10, 1.11, 1.09])
+    fast = _row("remat @ peak of torch SAC", "remat", 69, [1.05, 1.06, 1.04, 1.05, 1.06, 1.05], budget=70)
+    tie = _row("remat min", "remat", 40, [1.33, 1.27, 1.36, 1.26, 1.35, 1.30], budget=40)
+    text = "\n".join(targets([none, every, sac, fast, tie]))
+    assert "torch SAC (0.70 peak, 1.10x): matched by remat @ peak of torch SAC" in text
+    assert "every block (torch) (0.40 peak, 1.30x): within noise of remat min" in text
+    slow = _row("remat min", "remat", 40, [1.50, 1.52, 1.49, 1.51, 1.50, 1.50], budget=40)
+    text = "\n".join(targets([none, every, sac, fast, slow]))
+    assert "every block (torch) (0.40 peak, 1.30x): **not matched** by remat min" in text
+    assert "dominated by a baseline: remat min by torch SAC" not in text  # SAC's peak is higher: no domination
+    worse = _row("remat 0.9", "remat", 90, [1.20, 1.21, 1.19, 1.20, 1.22, 1.20], budget=90)
+    text = "\n".join(targets([none, every, sac, worse]))
+    assert "remat 0.9 by torch SAC" in text and "**more than half**" in text

@@ -1,8 +1,19 @@
-"""Turning bench rows into the markdown table, the target checks and the Pareto plots."""
+"""Turning bench rows into the markdown table, the target checks and the Pareto plots.
+
+NOTE [Comparing two noisy step times]
+Two setups are compared on their per-round differences (both ran in every
+round), in units of no checkpointing's step time: the median difference, and a
+90% bootstrap interval of that median. A target counts as met when the median
+difference is on the right side; when it is not but the interval reaches zero,
+the report says the two are within noise, with the numbers, rather than
+calling a winner that another run could reverse.
+"""
 
 from __future__ import annotations
 
 import pathlib
+import random
+import statistics
 from typing import TYPE_CHECKING
 
 from remat._format import human_bytes
@@ -15,11 +26,59 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "**no**"
 
 
-def _row(r: BenchRow) -> str:
+def _row(r: BenchRow, none: BenchRow) -> str:
     predicted = "" if r.predicted_peak_bytes is None else f"{human_bytes(r.predicted_peak_bytes)} ({r.predicted_error:+.1%})"
     overhead = "" if r.predicted_overhead is None else f"{1 + r.predicted_overhead:.2f}x"
+    _, lo, hi = paired_difference(r, none)
+    spread = "" if r is none else f" [{1 + lo:.2f}, {1 + hi:.2f}]"
     return (f"| {r.setup} | {human_bytes(r.peak_bytes)} | {r.peak_ratio:.2f} | {r.time_s * 1e3:.0f} ms | "
-            f"{r.time_ratio:.2f}x | {_yes(r.grads_equal)} | {_yes(r.buffers_equal)} | {predicted} | {overhead} |")
+            f"{r.time_ratio:.2f}x{spread} | {_yes(r.grads_equal)} | {_yes(r.buffers_equal)} | {predicted} | {overhead} |")
+
+
+def paired_difference(a: BenchRow, b: BenchRow, *, share: float = 1.0,
+                      resamples: int = 2000) -> tuple[float, float, float]:
+    """Median over rounds of ``a``'s overhead minus ``share`` times ``b``'s (in units of no
+    checkpointing's step time), and its 90% bootstrap interval."""
+    diffs = [(x - 1) - share * (y - 1) for x, y in zip(a.round_ratios, b.round_ratios)]
+    if not diffs:
+        d = (a.time_ratio - 1) - share * (b.time_ratio - 1)
+        return d, d, d
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    return statistics.median(diffs), medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
+
+
+def _vs(d: tuple[float, float, float]) -> str:
+    return f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}]"
+
+
+def _baseline_points(base: list[BenchRow], ours: list[BenchRow]) -> list[str]:
+    out = []
+    for b in base[1:]:
+        fitting = [(r, paired_difference(r, b)) for r in ours if r.peak_bytes <= b.peak_bytes]
+        head = f"{b.setup} ({b.peak_ratio:.2f} peak, {b.time_ratio:.2f}x): "
+        if not fitting:
+            out.append(head + "**not matched**: no remat point reaches its peak")
+            continue
+        r, d = min(fitting, key=lambda x: x[1][0])
+        verdict = "matched by" if d[0] <= 0 else "within noise of" if d[1] <= 0 else "**not matched** by"
+        out.append(head + f"{verdict} {r.setup} ({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; "
+                   f"time vs it {_vs(d)})")
+    return out
+
+
+def _dominated(base: list[BenchRow], ours: list[BenchRow]) -> str:
+    found, close = [], []
+    for r in ours:
+        for b in base:
+            if b.peak_bytes < r.peak_bytes:
+                d = paired_difference(r, b)
+                if d[1] > 0:
+                    found.append(f"{r.setup} by {b.setup} (time {_vs(d)})")
+                elif d[0] > 0:
+                    close.append(f"{r.setup} vs {b.setup} ({_vs(d)})")
+    text = "remat points dominated by a baseline: " + ("; ".join(found) or "none")
+    return text + (f" (slower within noise: {'; '.join(close)})" if close else "")
 
 
 def targets(rows: list[BenchRow]) -> list[str]:
@@ -27,23 +86,18 @@ def targets(rows: list[BenchRow]) -> list[str]:
     base = [r for r in rows if r.kind == "baseline"]
     ours = [r for r in rows if r.kind == "remat"]
     none = next(r for r in base if r.setup == "none")
-    out = []
-    for b in base[1:]:
-        match = [r for r in ours if r.peak_bytes <= b.peak_bytes and r.time_ratio <= b.time_ratio]
-        best = min(match, key=lambda r: r.time_ratio, default=None)
-        out.append(f"{b.setup} ({b.peak_ratio:.2f} peak, {b.time_ratio:.2f}x): " + (
-            f"matched by {best.setup} ({best.peak_ratio:.2f}, {best.time_ratio:.2f}x)" if best
-            else "**not matched** by any remat point"))
+    out = _baseline_points(base, ours)
     for r in ours:
         if r.budget_bytes and 0.6 <= r.budget_bytes / none.peak_bytes <= 0.9 and "remat 0" in r.setup:
             fitting = [b for b in base if b.peak_bytes <= r.budget_bytes]
             if fitting:
                 cheapest = min(fitting, key=lambda b: b.time_ratio)
-                ok = (r.time_ratio - 1) <= 0.5 * max(cheapest.time_ratio - 1, 0)
+                d = paired_difference(r, cheapest, share=0.5)
+                verdict = "at most half" if d[0] <= 0 else "more than half, within noise" if d[1] <= 0 else "**more than half**"
                 out.append(f"{r.setup}: overhead {r.time_ratio - 1:+.2f} vs cheapest fitting baseline "
-                           f"{cheapest.setup} {cheapest.time_ratio - 1:+.2f} -> {'at most half' if ok else '**more than half**'}")
-    dominated = [r.setup for r in ours for b in base if b.peak_bytes < r.peak_bytes and b.time_ratio < r.time_ratio]
-    out.append("remat points dominated by a baseline: " + (", ".join(sorted(set(dominated))) or "none"))
+                           f"{cheapest.setup} {cheapest.time_ratio - 1:+.2f} -> {verdict} "
+                           f"(overhead minus half of it: {_vs(d)})")
+    out.append(_dominated(base, ours))
     fractions = sorted((r for r in ours if "remat 0" in r.setup or "remat min" in r.setup),
                        key=lambda r: -(r.budget_bytes or 0))
     rising = [f"{a.setup} -> {b.setup}" for a, b in zip(fractions, fractions[1:]) if b.peak_bytes > a.peak_bytes]
@@ -56,13 +110,17 @@ def targets(rows: list[BenchRow]) -> list[str]:
 def markdown(report: BenchReport) -> str:
     meta = report.meta
     lines = [f"Run {meta['date']}, torch {meta['torch']}, {meta['machine']}, {meta['threads']} threads, "
-             f"{meta['sizes']}. Command: `{meta['command']}`.", ""]
+             f"{meta['sizes']}. Command: `{meta['command']}`.", "",
+             "Step time: median over interleaved rounds (shuffled order) of the ratio to no checkpointing in the "
+             "same round; [90%]: bootstrap interval of that median. Comparisons below use per-round differences "
+             "(median [90% interval], in units of no checkpointing's step).", ""]
     for model in dict.fromkeys(r.model for r in report.rows):
         rows = [r for r in report.rows if r.model == model]
+        none = next(r for r in rows if r.setup == "none")
         lines += [f"### {model}", "",
-                  "| setup | peak | x none | step | x none | grads equal | buffers equal | predicted peak (error) | predicted time |",
+                  "| setup | peak | x none | step | x none [90%] | grads equal | buffers equal | predicted peak (error) | predicted time |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        lines += [_row(r) for r in rows]
+        lines += [_row(r, none) for r in rows]
         lines += ["", *[f"- {t}" for t in targets(rows)], *[f"- {n}" for n in report.notes.get(model, [])], ""]
     return "\n".join(lines)
 
@@ -78,14 +136,20 @@ def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
     paths = []
     for model in dict.fromkeys(r.model for r in report.rows):
         rows = [r for r in report.rows if r.model == model]
+        none = next(r for r in rows if r.setup == "none")
+
+        def err(rs: list[BenchRow]) -> list[list[float]]:
+            spans = [paired_difference(r, none) for r in rs]
+            return [[d - lo for d, lo, _ in spans], [hi - d for d, _, hi in spans]]
+
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in (r for r in rows if r.kind == "baseline"):
-            ax.scatter(r.peak_bytes / 2**20, r.time_ratio, s=40, zorder=3)
+            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), fmt="o", ms=6, capsize=3, zorder=3)
             ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=(4, 4),
                         textcoords="offset points")
         ours = sorted((r for r in rows if r.kind == "remat"), key=lambda r: r.peak_bytes)
-        ax.plot([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], "o-", color="black",
-                label="remat plans", zorder=2)
+        ax.errorbar([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], yerr=err(ours), fmt="o-",
+                    color="black", capsize=3, label="remat plans (bars: 90% interval)", zorder=2)
         ax.set_xlabel("peak memory of a training step (MiB)")
         ax.set_ylabel("step time / no checkpointing")
         ax.set_title(f"{model}: memory vs time")

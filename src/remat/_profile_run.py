@@ -14,6 +14,7 @@ from torch import nn
 from remat._hf import cache_disabled
 from remat._memtrack import StorageTracker, storage_bytes, tensor_bytes
 from remat._state import capture
+from remat._timing import extra_time
 from remat._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat._trace import OpCost, Segment, SegmentRecorder
 from remat.checkpoint import POLICIES, wrap
@@ -84,39 +85,18 @@ def _check_same_structure(runs: dict[str, list[Segment]]) -> None:
             )
 
 
-def _recompute_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str, float]:
-    """Extra step time of each policy: recomputing the forward, or its non-kept ops.
-
-    Modelled from the forward rather than measured as a difference of step times:
-    on a busy CPU, differences of two noisy step times are often negative.
-    """
+def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str, float]:
+    """Fake profiles: recomputing the forward, or the ops selective does not keep, at the target's speed."""
     op_s = sum(s.op_s for s in fwd_segments)
     kept = sum(s.save_op_s for s in fwd_segments) / op_s if op_s > 0 else 0.0
     return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "full": fwd_s}
 
 
-def _calibrated(blocks: tuple[BlockProfile, ...], totals: dict[str, list[float]], fake: bool) -> tuple:
-    """Scale each policy's modelled extra times so that they sum to the measured difference
-    of whole-step medians (every block under that policy vs none).
-
-    The model knows which block costs what; the whole-step difference, a median over
-    interleaved runs, knows the real total, checkpointing bookkeeping included. Per-block
-    differences are too noisy to use directly. The scale is bounded to [0.5, 4] so that one
-    disturbed run cannot zero or explode a policy's cost.
-    """
-    if fake or not totals.get("keep"):
-        return blocks
-    base = statistics.median(totals["keep"])
-    scale = {}
-    for policy, times in totals.items():
-        modelled = sum(b.extra_time_s[policy] for b in blocks)
-        if policy == "keep" or not times or modelled <= 0:
-            continue
-        scale[policy] = min(4.0, max(0.5, (statistics.median(times) - base) / modelled))
-    return tuple(
-        BlockProfile(**{**b.__dict__, "extra_time_s": {p: t * scale.get(p, 1.0) for p, t in b.extra_time_s.items()}})
-        for b in blocks
-    )
+def _measured_extra_time(policies: Sequence[str], recompute_s: dict[str, float], calls: int,
+                         fwd_segments: list[Segment]) -> dict[str, float]:
+    """Real profiles: see NOTE [The time model] in ``remat._timing``."""
+    ops = sum(s.ops for s in fwd_segments)
+    return {p: extra_time(p, recompute_s=recompute_s.get(p, 0.0), calls=calls, fwd_ops=ops) for p in policies}
 
 
 def _block_profiles(
@@ -125,7 +105,9 @@ def _block_profiles(
     traced: dict[str, list[Segment]],
     io_bytes: dict[str, tuple[int, int]],
     policies: Sequence[str],
+    recompute: dict[str, dict[Key, list[float]]] | None,
 ) -> tuple[BlockProfile, ...]:
+    """Per block; ``recompute`` holds measured recompute seconds (None on fake tensors)."""
     out = []
     keep_segments = {s.key: s for s in traced["keep"]}
     flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
@@ -140,7 +122,13 @@ def _block_profiles(
 
         inp, outp = io_bytes.get(name, (0, 0))
         fwd_s = total("keep", fwd_keys, "seconds")
-        extra = _recompute_time(fwd_s, [keep_segments[k] for k in fwd_keys])
+        fwd_segments = [keep_segments[k] for k in fwd_keys]
+        if recompute is None:
+            extra = _modelled_extra_time(fwd_s, fwd_segments)
+        else:
+            measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
+                        for p in policies}
+            extra = _measured_extra_time(policies, measured, len(fwd_keys), fwd_segments)
         out.append(
             BlockProfile(
                 name=name,
@@ -182,6 +170,7 @@ def run_profile(
                 state.restore()
             _check_same_structure(traced)
             seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
+            recompute: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
             totals: dict[str, list[float]] = {p: [] for p in policies}
             for i in range(warmup + repeat):
                 for policy in policies:  # interleaved, so drift hits every policy alike
@@ -192,10 +181,11 @@ def run_profile(
                         totals[policy].append(sum(s.seconds for s in segs))
                         for s in segs:
                             seconds[policy][s.key].append(s.seconds)
+                            recompute[policy][s.key].append(s.recompute_s)
         finally:
             switch.restore()
             state.restore()
-        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, totals)
+        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, totals, recompute=recompute)
 
 
 def _assemble(
@@ -208,6 +198,7 @@ def _assemble(
     seconds: dict[str, dict[Key, list[float]]],
     totals: dict[str, list[float]],
     *,
+    recompute: dict[str, dict[Key, list[float]]] | None = None,
     fake: bool = False,
     target: str | None = None,
     device: str | None = None,
@@ -228,7 +219,7 @@ def _assemble(
     return Profile(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
-        blocks=_calibrated(_block_profiles(names, segments, traced, io_bytes, policies), totals, fake),
+        blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
         resting_bytes=storage_bytes(_resting(model, inputs)),
         param_bytes=storage_bytes(params),
         grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +42,17 @@ def is_recomputing() -> bool:
     with ``if not remat.is_recomputing(): ...``.
     """
     return getattr(_local, "recomputing", 0) > 0
+
+
+@contextlib.contextmanager
+def recompute_observer(callback: Callable[[float], None]) -> Iterator[None]:
+    """Call ``callback(seconds)`` after every outermost recomputation on this thread (profiling)."""
+    previous = getattr(_local, "observer", None)
+    _local.observer = callback
+    try:
+        yield
+    finally:
+        _local.observer = previous
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -205,10 +217,15 @@ class RecomputeContext:
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
-        _local.recomputing = getattr(_local, "recomputing", 0) + 1
+        depth = getattr(_local, "recomputing", 0)
+        _local.recomputing = depth + 1
+        start = time.perf_counter()
 
         def done() -> None:
             _local.recomputing -= 1
+            observer = getattr(_local, "observer", None)
+            if depth == 0 and observer is not None:  # nested recomputes are inside the outer one's time
+                observer(time.perf_counter() - start)
 
         stack.callback(done)
         stack.enter_context(self.region.swapped_buffers())

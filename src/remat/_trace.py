@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from remat._memtrack import StorageTracker, storage_bytes
+from remat._region import recompute_observer
 from remat.checkpoint import SAVE_OPS
 
 
@@ -47,6 +48,10 @@ class Segment:
     """Time spent inside ops (measured, or modelled on fake tensors)."""
     save_op_s: float = 0.0
     """Part of ``op_s`` in the ops the selective policy keeps (matmul, conv, attention)."""
+    ops: int = 0
+    """aten ops run (traced steps only)."""
+    recompute_s: float = 0.0
+    """Time spent recomputing checkpointed forwards (part of ``seconds``)."""
 
     @property
     def key(self) -> tuple[str, str | None, int]:
@@ -124,6 +129,7 @@ class SegmentRecorder:
         if seg is None:
             return
         seg.max_live = max(seg.max_live, self.tracker.current)
+        seg.ops += 1
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops
@@ -154,7 +160,13 @@ class SegmentRecorder:
 
         return hook
 
+    def _on_recompute(self, seconds: float) -> None:
+        if self._current is not None:
+            self._current.recompute_s += seconds
+
     def __enter__(self) -> SegmentRecorder:
+        self._observing = recompute_observer(self._on_recompute)
+        self._observing.__enter__()
         for name in self.blocks:
             module = self.modules[name]
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
@@ -166,4 +178,5 @@ class SegmentRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._observing.__exit__(*exc)
 

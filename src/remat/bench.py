@@ -4,16 +4,21 @@ NOTE [How the numbers are taken]
 Every setup of a model (no checkpointing, torch on every block, sqrt(n)
 segments, torch selective, remat's plans) runs in the same process on the same
 weights and batch. Peak memory comes from one tracked step of each
-(``remat.measure``); step time from interleaved rounds (A B C A B C ...) after a
-warm-up round, as a median, so that drift on a shared machine hits every setup
-alike. Gradients and buffers after one step are compared bit for bit with no
-checkpointing under the same seed.
+(``remat.measure``); step time from interleaved rounds after warm-up rounds,
+every setup once per round in a shuffled order (seeded), so that drift and
+position effects on a shared machine hit every setup alike. A setup's time
+ratio is the median over rounds of its time over no checkpointing's time in the
+same round; comparisons between two setups use their per-round differences
+(``remat._bench_report``), since on a shared CPU a step's time moves by 10% from
+one round to the next. Gradients and buffers after one step are compared bit for
+bit with no checkpointing under the same seed.
 """
 
 from __future__ import annotations
 
 import datetime
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +65,7 @@ class BenchRow:
     time_s: float
     """Median step time."""
     time_ratio: float
-    """Step time over the step time without checkpointing (same rounds)."""
+    """Median over rounds of step time over no checkpointing's step time in the same round."""
     grads_equal: bool
     """Every gradient ``torch.equal`` to no checkpointing's."""
     buffers_equal: bool
@@ -68,6 +73,8 @@ class BenchRow:
     budget_bytes: int | None = None
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = None
+    round_ratios: tuple[float, ...] = ()
+    """Per timed round: step time over no checkpointing's in that round."""
 
     @property
     def predicted_error(self) -> float | None:
@@ -130,12 +137,16 @@ def _peak(zoo: ZooModel, setup: Setup) -> int:
 
 
 def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int,
-                       progress: Progress | None) -> list[float]:
+                       progress: Progress | None) -> list[list[float]]:
+    """Per setup, its step time in each timed round (every setup once per round, shuffled order)."""
     state = remat._state.capture(zoo.model)
     times: list[list[float]] = [[] for _ in setups]
+    order = list(range(len(setups)))
     try:
         for r in range(warmup + repeat):
-            for i, setup in enumerate(setups):
+            random.Random(r).shuffle(order)
+            for i in order:
+                setup = setups[i]
                 setup.on(zoo.model)
                 zoo.model.zero_grad(set_to_none=True)
                 start = time.perf_counter()
@@ -147,7 +158,7 @@ def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, r
                 progress(f"{zoo.name}: timing round {r + 1}/{warmup + repeat}", r + 1, warmup + repeat)
     finally:
         state.restore()
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int],
@@ -172,11 +183,11 @@ def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], ba
     return [remat_plan(plan, " = ".join(labels)) for labels, plan in plans.values()]
 
 
-def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 1,
-                repeat: int = 5, progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
+def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 2,
+                repeat: int = 7, progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
     """Rows for one model: baselines, remat at ``budgets`` and at each baseline's measured peak."""
     notes: list[str] = []
-    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=list(zoo.blocks) or None, repeat=2, warmup=1)
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=list(zoo.blocks) or None, repeat=3, warmup=1)
     base = baselines(zoo.model, [b.name for b in prof.blocks])
     peaks = {s.name: _peak(zoo, s) for s in base}
     setups = base + _remat_setups(zoo, prof, budgets, peaks, notes)
@@ -188,9 +199,11 @@ def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35
     for setup, t in zip(setups, times):
         grads_ok, buffers_ok = _check(reference, zoo, setup)
         plan = setup.plan
+        ratios = tuple(a / b for a, b in zip(t, times[0]))
         rows.append(BenchRow(
             model=zoo.name, setup=setup.name, kind=setup.kind, peak_bytes=peaks[setup.name],
-            peak_ratio=peaks[setup.name] / peaks["none"], time_s=t, time_ratio=t / times[0],
+            peak_ratio=peaks[setup.name] / peaks["none"], time_s=statistics.median(t),
+            time_ratio=statistics.median(ratios), round_ratios=ratios,
             grads_equal=grads_ok, buffers_equal=buffers_ok,
             budget_bytes=plan.budget_bytes if plan else None,
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
@@ -200,7 +213,7 @@ def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35
 
 
 def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"),
-              options: dict[str, dict] | None = None, warmup: int = 1, repeat: int = 5,
+              options: dict[str, dict] | None = None, warmup: int = 2, repeat: int = 7,
               progress: Progress | None = None, command: str = "") -> BenchReport:
     """Benchmark each zoo model in ``models`` (``quick``: small sizes, 2 timed rounds)."""
     rows: list[BenchRow] = []
@@ -210,7 +223,7 @@ def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[A
         if progress:
             progress(f"{name}: profiling", i, len(models))
         zoo = build(name, **sizes)
-        model_rows, notes[name] = bench_model(zoo, budgets=budgets, warmup=warmup,
+        model_rows, notes[name] = bench_model(zoo, budgets=budgets, warmup=min(warmup, 1) if quick else warmup,
                                               repeat=2 if quick else repeat, progress=progress)
         rows.extend(model_rows)
     meta = {
