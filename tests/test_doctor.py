@@ -482,3 +482,23 @@ def test_modules_torch_imports_lazily_during_the_doctor_do_not_keep_its_stand_in
     )
     proc = __import__("subprocess").run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+# --- Hugging Face layers: their own gradient checkpointing vs remat on them ------------------------------
+
+
+@pytest.mark.parametrize("how", ["hf", "remat"])
+def test_hugging_face_layers_are_labelled_by_the_api_that_checkpoints_them(how):
+    from remat.zoo import build
+
+    zoo = build("gpt2", layers=2, hidden=32, heads=2, vocab=128, seq=16, batch=2)
+    if how == "hf":
+        zoo.model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        remat.apply(zoo.model, remat.plan(remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0),
+                                          strategy="all"))
+    report = diagnose(zoo.model, zoo.inputs, zoo.loss_fn)
+    assert len(report.checkpoints) == 2
+    want = "Hugging Face gradient checkpointing" if how == "hf" else "remat.wrap"
+    assert {c.api for c in report.checkpoints} == {want}, [c.api for c in report.checkpoints]
+    assert report.codes() == []

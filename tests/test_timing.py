@@ -1,13 +1,14 @@
-"""The profiler's time model: recomputation measured directly, bookkeeping calibrated."""
+"""The profiler's time model: recomputation measured directly, forward slowdown pooled over blocks."""
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
 import remat
 from remat._region import recompute_observer
-from remat._timing import bookkeeping, extra_time
+from remat._timing import extra_time, forward_slowdown
 
 
 class Sleepy(nn.Module):
@@ -51,14 +52,12 @@ def test_observer_context_restores_the_previous_one():
     assert (len(inner_seen), len(outer_seen)) == (1, 1)
 
 
-def test_bookkeeping_is_calibrated_per_policy():
-    costs = bookkeeping()
-    assert costs["keep"] == (0.0, 0.0)
-    assert set(costs) == {"keep", "selective", "full"}
-    assert all(per_call >= 0 and per_op >= 0 for per_call, per_op in costs.values())
-    assert extra_time("keep", recompute_s=1.0, calls=1, fwd_ops=10) == 0.0
-    per_call, per_op = costs["full"]
-    assert extra_time("full", recompute_s=0.5, calls=2, fwd_ops=10) == 0.5 + 2 * per_call + 10 * per_op
+def test_forward_slowdown_is_pooled_and_never_negative():
+    assert forward_slowdown({"keep": 2.0, "selective": 2.2, "full": 1.9}) == {
+        "keep": 0.0, "selective": pytest.approx(0.1), "full": 0.0}
+    assert forward_slowdown({"keep": 0.0, "full": 1.0}) == {"keep": 0.0, "full": 0.0}
+    assert extra_time("keep", recompute_s=1.0, fwd_s=1.0, slowdown=0.5) == 0.0
+    assert extra_time("selective", recompute_s=0.3, fwd_s=2.0, slowdown=0.1) == pytest.approx(0.5)
 
 
 def test_profile_charges_each_block_its_measured_recompute():

@@ -172,6 +172,14 @@ def test_unknown_name_lists_the_known_names():
         zoo.build("gpt3")
 
 
+def test_options_list_each_models_defaults():
+    assert zoo.options("gpt2")["layers"] == 6 and zoo.options("gpt2")["hidden"] == 512
+    assert zoo.options("llama")["kv_heads"] == 4 and zoo.options("seed-cifar")["batch"] == 256
+    assert all({"batch", "seed"} <= set(zoo.options(n)) for n in zoo.names())
+    with pytest.raises(remat.RematError, match="unknown model 'bert'"):
+        zoo.options("bert")
+
+
 def test_unknown_option_lists_the_accepted_ones():
     with pytest.raises(remat.RematError, match=r"bad options for 'gpt2': width; 'gpt2' accepts layers, hidden"):
         zoo.build("gpt2", width=64)

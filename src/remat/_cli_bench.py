@@ -4,7 +4,6 @@ collects every number; this module only passes options and renders its markdown.
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -39,9 +38,9 @@ def _zoo_names(names: list[str], command: str) -> None:
 
 
 def _accepted(name: str) -> set[str]:
-    from remat.zoo import _BUILDERS  # the zoo has no public accessor for a builder's keywords yet
+    from remat.zoo import options
 
-    return set(inspect.signature(_BUILDERS[name]).parameters)
+    return set(options(name))
 
 
 def per_model_options(names: list[str], options: dict[str, Any], command: str) -> dict[str, dict[str, Any]]:

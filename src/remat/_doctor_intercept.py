@@ -156,7 +156,9 @@ def _call_site() -> tuple[str, str]:
         elif path in _RUNNERS:
             return "", api
         elif path not in _MACHINERY:
-            if "transformers" in path.split(os.sep):
+            # A Hugging Face layer's __call__ is on the stack of every call of its forward; it is
+            # the API only when it called torch's checkpoint itself (remat.wrap was not seen first).
+            if "transformers" in path.split(os.sep) and api == "torch.utils.checkpoint.checkpoint":
                 api = "Hugging Face gradient checkpointing"
             return f"{_short(path)}:{frame.f_lineno}", api
         frame = frame.f_back

@@ -14,7 +14,7 @@ from torch import nn
 from remat._hf import cache_disabled
 from remat._memtrack import StorageTracker, storage_bytes, tensor_bytes
 from remat._state import capture
-from remat._timing import extra_time
+from remat._timing import extra_time, forward_slowdown
 from remat._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat._trace import OpCost, Segment, SegmentRecorder
 from remat.checkpoint import POLICIES, wrap
@@ -92,13 +92,6 @@ def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str,
     return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "full": fwd_s}
 
 
-def _measured_extra_time(policies: Sequence[str], recompute_s: dict[str, float], calls: int,
-                         fwd_segments: list[Segment]) -> dict[str, float]:
-    """Real profiles: see NOTE [The time model] in ``remat._timing``."""
-    ops = sum(s.ops for s in fwd_segments)
-    return {p: extra_time(p, recompute_s=recompute_s.get(p, 0.0), calls=calls, fwd_ops=ops) for p in policies}
-
-
 def _block_profiles(
     names: Sequence[str],
     segments: dict[str, dict[Key, SegmentCost]],
@@ -111,6 +104,10 @@ def _block_profiles(
     out = []
     keep_segments = {s.key: s for s in traced["keep"]}
     flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
+    # Real profiles: see NOTE [The time model] in remat._timing.
+    block_fwd = [k for k in segments["keep"] if k[0] == "fwd" and k[1] is not None]
+    slowdown = forward_slowdown({p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p])
+                                 for p in policies})
     for name in names:
         fwd_keys = [k for k in segments["keep"] if k[0] == "fwd" and k[1] == name]
         if not fwd_keys:
@@ -128,7 +125,7 @@ def _block_profiles(
         else:
             measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
                         for p in policies}
-            extra = _measured_extra_time(policies, measured, len(fwd_keys), fwd_segments)
+            extra = {p: extra_time(p, recompute_s=measured[p], fwd_s=fwd_s, slowdown=slowdown[p]) for p in policies}
         out.append(
             BlockProfile(
                 name=name,

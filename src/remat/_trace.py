@@ -48,8 +48,6 @@ class Segment:
     """Time spent inside ops (measured, or modelled on fake tensors)."""
     save_op_s: float = 0.0
     """Part of ``op_s`` in the ops the selective policy keeps (matmul, conv, attention)."""
-    ops: int = 0
-    """aten ops run (traced steps only)."""
     recompute_s: float = 0.0
     """Time spent recomputing checkpointed forwards (part of ``seconds``)."""
 
@@ -129,7 +127,6 @@ class SegmentRecorder:
         if seg is None:
             return
         seg.max_live = max(seg.max_live, self.tracker.current)
-        seg.ops += 1
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops

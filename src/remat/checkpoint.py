@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat._region import ForwardContext, RecomputeContext, Region, Stacked
+from remat._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.errors import RematError
 
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
@@ -87,14 +88,45 @@ def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [torch.empty(0, device=d) for d in devices]
 
 
+#: What each callable's first forward wrote, per training flag (see remat._region).
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
+    """(weakly held owner, key within it) naming ``fn`` across calls; None when it has no stable identity."""
+    if isinstance(fn, functools.partial):
+        return None  # rebuilt on every call (e.g. by Hugging Face layers)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and hasattr(fn, "__func__"):  # a bound method: a new object on every access
+        return owner, (fn.__func__, getattr(owner, "training", None))
+    return fn, (None, getattr(fn, "training", None))
+
+
+def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | None], None]]:
+    key = _memo_key(fn)
+    try:
+        table = _LEARNED.get(key[0]) if key is not None else None
+    except TypeError:  # not weakly referenceable or not hashable
+        key = table = None
+    if key is None:
+        return None, lambda learned: None
+
+    def remember(learned: Learned | None) -> None:
+        _LEARNED.setdefault(key[0], {})[key[1]] = learned
+
+    return (table or {}).get(key[1]), remember
+
+
 def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
-    region = Region(args, kwargs)
+    learned, remember = _learned_memo(fn)
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    region = Region(args, kwargs, learned, owner if isinstance(owner, nn.Module) else None)
     sac = _policy_contexts(policy)
     phase = {"forward": True}
 
     def context_fn() -> tuple[Any, Any]:
         fwd, rec = sac() if sac is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-        return Stacked(ForwardContext(region), fwd), Stacked(RecomputeContext(region), rec)
+        return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
     def run(_holder: Region, *_markers: torch.Tensor) -> Any:
         if phase["forward"]:

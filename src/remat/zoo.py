@@ -52,7 +52,7 @@ from torch import nn
 
 from remat.errors import RematError
 
-__all__ = ["ZooModel", "build", "names", "SeedCifarCNN"]
+__all__ = ["ZooModel", "build", "names", "options", "SeedCifarCNN"]
 
 
 @dataclass
@@ -381,6 +381,13 @@ _BUILDERS: dict[str, Callable[..., ZooModel]] = {
 def names() -> list[str]:
     """Names :func:`build` accepts."""
     return sorted(_BUILDERS)
+
+
+def options(name: str) -> dict[str, Any]:
+    """The options :func:`build` accepts for model ``name``, with their defaults."""
+    if name not in _BUILDERS:
+        raise RematError(f"remat.zoo.options: unknown model {name!r}; known models: {', '.join(names())}.")
+    return {k: p.default for k, p in inspect.signature(_BUILDERS[name]).parameters.items()}
 
 
 def build(name: str, **options: Any) -> ZooModel:
