@@ -125,6 +125,8 @@ def test_plan_json_round_trip_and_validation(profiled):
     assert again == plan
     with pytest.raises(remat.RematError, match="schema"):
         remat.Plan.from_json(plan.to_json().replace('"schema": 1', '"schema": 7'))
+    with pytest.raises(remat.RematError, match="not JSON"):
+        remat.Plan.from_json("{")
     with pytest.raises(remat.RematError, match="unknown policies"):
         remat.Plan.from_json(plan.to_json().replace('"full"', '"sometimes"'))
 

@@ -147,6 +147,8 @@ def test_json_round_trip_and_table(profiles):
     assert all(n in table for n in names) and "peak without checkpointing" in table
     with pytest.raises(remat.RematError, match="schema"):
         remat.Profile.from_json('{"schema": 99}')
+    with pytest.raises(remat.RematError, match="expected a JSON object, got list"):
+        remat.Profile.from_json("[1]")
 
 
 def test_bad_assignment_is_an_error(profiles):

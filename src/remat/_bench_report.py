@@ -52,6 +52,11 @@ def _vs(d: tuple[float, float, float]) -> str:
     return f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}]"
 
 
+def _verdict(d: tuple[float, float, float], met: str, close: str, missed: str) -> str:
+    """``met`` when the median difference is not above zero, ``close`` when its interval reaches zero."""
+    return met if d[0] <= 0 else close if d[1] <= 0 else missed
+
+
 def _baseline_points(base: list[BenchRow], ours: list[BenchRow]) -> list[str]:
     out = []
     for b in base[1:]:
@@ -61,8 +66,7 @@ def _baseline_points(base: list[BenchRow], ours: list[BenchRow]) -> list[str]:
             out.append(head + "**not matched**: no remat point reaches its peak")
             continue
         r, d = min(fitting, key=lambda x: x[1][0])
-        verdict = "matched by" if d[0] <= 0 else "within noise of" if d[1] <= 0 else "**not matched** by"
-        out.append(head + f"{verdict} {r.setup} ({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; "
+        out.append(head + f"{_verdict(d, 'matched by', 'within noise of', '**not matched** by')} {r.setup} ({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; "
                    f"time vs it {_vs(d)})")
     return out
 
@@ -73,9 +77,10 @@ def _dominated(base: list[BenchRow], ours: list[BenchRow]) -> str:
         for b in base:
             if b.peak_bytes < r.peak_bytes:
                 d = paired_difference(r, b)
-                if d[1] > 0:
+                kind = _verdict(d, "not slower", "slower within noise", "slower")
+                if kind == "slower":
                     found.append(f"{r.setup} by {b.setup} (time {_vs(d)})")
-                elif d[0] > 0:
+                elif kind == "slower within noise":
                     close.append(f"{r.setup} vs {b.setup} ({_vs(d)})")
     text = "remat points dominated by a baseline: " + ("; ".join(found) or "none")
     return text + (f" (slower within noise: {'; '.join(close)})" if close else "")
@@ -93,7 +98,7 @@ def targets(rows: list[BenchRow]) -> list[str]:
             if fitting:
                 cheapest = min(fitting, key=lambda b: b.time_ratio)
                 d = paired_difference(r, cheapest, share=0.5)
-                verdict = "at most half" if d[0] <= 0 else "more than half, within noise" if d[1] <= 0 else "**more than half**"
+                verdict = _verdict(d, "at most half", "more than half, within noise", "**more than half**")
                 out.append(f"{r.setup}: overhead {r.time_ratio - 1:+.2f} vs cheapest fitting baseline "
                            f"{cheapest.setup} {cheapest.time_ratio - 1:+.2f} -> {verdict} "
                            f"(overhead minus half of it: {_vs(d)})")

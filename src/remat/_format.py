@@ -1,8 +1,11 @@
-"""Plain-text rendering of remat's results (the CLI adds colour with rich)."""
+"""Plain-text rendering of remat's results (the CLI adds colour with rich), and reading them back."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from typing import TYPE_CHECKING, Any
+
+from remat.errors import RematError
 
 if TYPE_CHECKING:
     from remat.profile import Profile
@@ -49,3 +52,17 @@ def profile_table(p: Profile) -> str:
         f"peak without checkpointing {human_bytes(base)}, step {p.step_time_s * 1e3:.0f} ms."
     )
     return "\n".join([summary, render(header, rows), *p.notes])
+
+
+def load_versioned(text: str, *, what: str, schema: int) -> dict[str, Any]:
+    """The JSON object ``to_json`` wrote, without its ``schema`` key; a RematError for anything else."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RematError(f"{what}: not JSON ({exc}).") from None
+    if not isinstance(data, dict):
+        raise RematError(f"{what}: expected a JSON object, got {type(data).__name__}.")
+    if data.get("schema") != schema:
+        raise RematError(f"{what}: schema {data.get('schema')!r} is not supported; this remat reads {schema}.")
+    data.pop("schema")
+    return data

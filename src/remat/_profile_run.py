@@ -104,10 +104,10 @@ def _block_profiles(
     out = []
     keep_segments = {s.key: s for s in traced["keep"]}
     flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
-    # Real profiles: see NOTE [The time model] in remat._timing.
-    block_fwd = [k for k in segments["keep"] if k[0] == "fwd" and k[1] is not None]
-    slowdown = forward_slowdown({p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p])
-                                 for p in policies})
+    if recompute is not None:  # see NOTE [The time model] in remat._timing
+        block_fwd = [k for k in segments["keep"] if k[0] == "fwd" and k[1] is not None]
+        slowdown = forward_slowdown({p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p])
+                                     for p in policies})
     for name in names:
         fwd_keys = [k for k in segments["keep"] if k[0] == "fwd" and k[1] == name]
         if not fwd_keys:
@@ -119,9 +119,8 @@ def _block_profiles(
 
         inp, outp = io_bytes.get(name, (0, 0))
         fwd_s = total("keep", fwd_keys, "seconds")
-        fwd_segments = [keep_segments[k] for k in fwd_keys]
         if recompute is None:
-            extra = _modelled_extra_time(fwd_s, fwd_segments)
+            extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys])
         else:
             measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
                         for p in policies}

@@ -172,12 +172,12 @@ class Region:
 
     def finish_forward(self) -> Learned | None:
         """Settle what recompute needs; on a first call, return what this forward wrote."""
+        inputs = self.input_tensors()
         if not self.watches_ops:
-            self._check_unwatched_writes()
+            self._check_unwatched_writes(inputs)
             # Legacy batch-norm kernels write running stats without bumping the version: compare values too.
             self.before = {k: v for k, v in self.before.items()
                            if self.watched[k]._version != self.entry_versions[k] or not torch.equal(v, self.watched[k])}
-        inputs = self.input_tensors()
         self.input_versions = {id(t): t._version for t in inputs}
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
@@ -186,10 +186,10 @@ class Region:
         written = {(id(ref()), name) for owners in self.buffers.values() for ref, name in owners if ref() is not None}
         return Learned(any(storage_key(t) in self.before for t in inputs), frozenset(written))
 
-    def _check_unwatched_writes(self) -> None:
+    def _check_unwatched_writes(self, inputs: list[torch.Tensor]) -> None:
         from remat.errors import RematError
 
-        changed = [t for t in self.input_tensors() if t._version != self.input_versions[id(t)]]
+        changed = [t for t in inputs if t._version != self.input_versions[id(t)]]
         unkept = [k for k, v in self.entry_versions.items() if self.watched[k]._version != v and k not in self.before]
         if changed or unkept:
             what = "one of its inputs" if changed else f"a buffer of shape {tuple(self.watched[unkept[0]].shape)}"

@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from remat._format import human_bytes
+from remat._format import human_bytes, load_versioned
 from remat._solve import chain_of, solve
 from remat.errors import RematError
 from remat.profile import Profile
@@ -70,14 +70,7 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Load and validate what :meth:`to_json` wrote."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RematError(f"remat.Plan.from_json: not JSON ({exc}).") from None
-        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise RematError(f"remat.Plan.from_json: schema {got!r} is not supported; this remat reads {PLAN_SCHEMA}.")
-        data.pop("schema")
+        data = load_versioned(text, what="remat.Plan.from_json", schema=PLAN_SCHEMA)
         fields = set(cls.__dataclass_fields__)
         if set(data) != fields:
             raise RematError(f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}.")

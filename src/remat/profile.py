@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from remat._format import load_versioned, profile_table
 from remat.checkpoint import POLICIES
 from remat.errors import RematError
 
@@ -153,8 +154,6 @@ class Profile:
     # -- rendering ---------------------------------------------------------------
     def table(self) -> str:
         """A readable per-block table (plain text)."""
-        from remat._format import profile_table
-
         return profile_table(self)
 
     def to_json(self) -> str:
@@ -169,12 +168,7 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> Profile:
         """Load what :meth:`to_json` wrote; refuses unknown schema versions."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise RematError(f"remat.Profile.from_json: not JSON ({exc}).") from None
-        if data.pop("schema", None) != SCHEMA_VERSION:
-            raise RematError(f"remat.Profile.from_json: unknown schema; this remat reads version {SCHEMA_VERSION}.")
+        data = load_versioned(text, what="remat.Profile.from_json", schema=SCHEMA_VERSION)
         data["blocks"] = tuple(BlockProfile(**b) for b in data["blocks"])
         data["policies"] = tuple(data["policies"])
         data["fwd_order"] = [tuple(k) for k in data["fwd_order"]]
