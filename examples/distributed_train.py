@@ -93,6 +93,7 @@ def main() -> None:
         dist.all_reduce(loss)  # the mean loss over ranks, for printing
         if rank == 0:
             print(f"step {step}: loss {loss.item() / world:.4f}", flush=True)
+    dist.barrier()  # no rank closes its connections while another is still printing or reducing
     dist.destroy_process_group()
 
 

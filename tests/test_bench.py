@@ -1,11 +1,15 @@
 """remat.bench: the harness runs end to end (smoke test, no timing assertions) and its search loop."""
 
 import pytest
+import torch
+from torch import nn
 
 import remat
 from remat._bench_report import plot, targets
-from remat.bench import QUICK, bench_model, max_batch, run_bench, search_max
-from remat.zoo import build
+from remat._bench_setups import every_block, no_checkpointing, torch_compile
+from remat._step import training_step
+from remat.bench import QUICK, _compiled_graphs, _peak, bench_model, max_batch, run_bench, search_max
+from remat.zoo import ZooModel, build
 
 
 def test_search_max_sequence_with_fake_out_of_memory():
@@ -98,3 +102,44 @@ def test_targets_say_matched_within_noise_and_not_matched():
     worse = _row("remat 0.9", "remat", 90, [1.20, 1.21, 1.19, 1.20, 1.22, 1.20], budget=90)
     text = "\n".join(targets([none, every, sac, worse]))
     assert "remat 0.9 by torch SAC" in text and "**more than half**" in text
+
+
+def test_every_block_on_hugging_face_leaves_no_hooks_behind():
+    # transformers' enable adds an input-embedding hook that its disable keeps (outside PEFT).
+    zoo = build("gpt2", **QUICK["gpt2"])
+    every = every_block([zoo.model.get_submodule(b) for b in zoo.blocks])
+    embeddings = zoo.model.get_input_embeddings()
+    for _ in range(3):
+        every.on(zoo.model)
+        assert zoo.model.is_activation_checkpointing and len(embeddings._forward_hooks) == 1
+        every.off(zoo.model)
+        assert len(embeddings._forward_hooks) == 0 and not zoo.model.is_activation_checkpointing
+    assert "_require_grads_hook" not in vars(zoo.model)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_torch_compile_setup_keeps_each_budget_apart_and_is_measured_by_the_allocator():
+    torch.manual_seed(0)
+    zoo = ZooModel("mlp", _Mlp(), torch.randn(512, 256), lambda out: out.square().mean(), ())
+    full, low = torch_compile(1.0), torch_compile(0.0)
+    eager = _peak(zoo, no_checkpointing())
+    peaks = {s.name: _peak(zoo, s) for s in (full, low)}  # compiles each once
+    graphs = _compiled_graphs()
+    for _ in range(2):  # switching between setups and eager must not recompile
+        for setup in (full, low, no_checkpointing()):
+            setup.on(zoo.model)
+            training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+            setup.off(zoo.model)
+    assert _compiled_graphs() == graphs
+    # Budget 0 recomputes the GELUs' inputs instead of saving them: a lower peak than budget 1,
+    # which would be impossible had both budgets shared one cached graph.
+    assert peaks[low.name] < peaks[full.name] <= eager, (peaks, eager)
+    assert "forward" not in vars(zoo.model)

@@ -220,13 +220,36 @@ def test_plan_on_rank0_without_a_process_group_plans_locally():
     assert with_buckets.assignment == remat.plan(prof, budget).assignment
 
 
-def test_example_trains_under_torchrun():
+def _run_example() -> subprocess.CompletedProcess:
     root = pathlib.Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
                str(root / "examples" / "distributed_train.py"), "--fsdp", "--layers", "2", "--hidden", "64",
                "--seq", "32", "--batch", "2", "--steps", "2", "--budget", "0.9"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for line in ("FSDP2 on 2 ranks. optimal plan", "rank 0: peak", "rank 1: peak", "step 1: loss"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+EXPECTED_LINES = ("FSDP2 on 2 ranks. optimal plan", "rank 0: peak", "rank 1: peak", "step 0: loss", "step 1: loss")
+
+
+def _aborted_after_finishing(done: subprocess.CompletedProcess) -> bool:
+    """Everything printed, then a rank aborted while its interpreter was shutting down.
+
+    Seen about once in 50 runs on this machine (torch 2.13, gloo): "terminate called
+    without an active exception" in a thread of the exiting process, with no Python
+    frame left, after the last step was printed and the process group destroyed.
+    Nothing of remat runs by then (it starts no threads).
+    """
+    return (done.returncode != 0 and all(line in done.stdout for line in EXPECTED_LINES)
+            and "terminate called without an active exception" in done.stderr and "<no Python frame>" in done.stderr)
+
+
+def test_example_trains_under_torchrun():
+    done = _run_example()
+    if _aborted_after_finishing(done):
+        warnings.warn(f"gloo aborted at interpreter exit after the example finished; retrying once:\n"
+                      f"{done.stderr[-1500:]}", stacklevel=1)
+        done = _run_example()
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    for line in EXPECTED_LINES:
         assert line in done.stdout, done.stdout

@@ -71,7 +71,7 @@ def _baseline_points(base: list[BenchRow], ours: list[BenchRow]) -> list[str]:
     return out
 
 
-def _dominated(base: list[BenchRow], ours: list[BenchRow]) -> str:
+def _dominated(base: list[BenchRow], ours: list[BenchRow], *, by: str = "a baseline") -> str:
     found, close = [], []
     for r in ours:
         for b in base:
@@ -82,7 +82,7 @@ def _dominated(base: list[BenchRow], ours: list[BenchRow]) -> str:
                     found.append(f"{r.setup} by {b.setup} (time {_vs(d)})")
                 elif kind == "slower within noise":
                     close.append(f"{r.setup} vs {b.setup} ({_vs(d)})")
-    text = "remat points dominated by a baseline: " + ("; ".join(found) or "none")
+    text = f"remat points dominated by {by}: " + ("; ".join(found) or "none")
     return text + (f" (slower within noise: {'; '.join(close)})" if close else "")
 
 
@@ -109,6 +109,10 @@ def targets(rows: list[BenchRow]) -> list[str]:
     out.append("measured peak rises as the budget falls: " + (", ".join(rising) or "never"))
     worst = max((abs(r.predicted_error) for r in ours), default=0.0)
     out.append(f"largest predicted-vs-measured peak error: {worst:.2%}")
+    compiled = [r for r in rows if r.kind == "compile"]
+    if compiled:  # another execution (fused kernels), so kept apart from the eager baselines above
+        out += [f"torch.compile point {line}" for line in _baseline_points([none, *compiled], ours)]
+        out.append(_dominated(compiled, ours, by="a torch.compile point"))
     return out
 
 
@@ -151,6 +155,11 @@ def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
         for r in (r for r in rows if r.kind == "baseline"):
             ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), fmt="o", ms=6, capsize=3, zorder=3)
             ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=(4, 4),
+                        textcoords="offset points")
+        for r in (r for r in rows if r.kind == "compile"):
+            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), fmt="s", ms=6, capsize=3, zorder=3,
+                        mfc="white")
+            ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=(4, -8),
                         textcoords="offset points")
         ours = sorted((r for r in rows if r.kind == "remat"), key=lambda r: r.peak_bytes)
         ax.errorbar([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], yerr=err(ours), fmt="o-",

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as tc
 from torch import nn
 
@@ -27,7 +28,7 @@ class Setup:
     name: str
     """Row label."""
     kind: str
-    """``baseline`` or ``remat``."""
+    """``baseline``, ``compile`` (a ``torch.compile`` baseline) or ``remat``."""
     on: Callable[[nn.Module], None]
     off: Callable[[nn.Module], None]
     plan: Plan | None = None
@@ -51,11 +52,13 @@ def _clear(modules: Sequence[nn.Module]) -> None:
 
 def every_block(blocks: Sequence[nn.Module]) -> Setup:
     """torch's non-reentrant checkpoint on every block (what HF's gradient_checkpointing_enable does)."""
+    hooks_before: list[Any] = []
 
     def on(model: nn.Module) -> None:
         # transformers 5 names it activation_checkpointing_enable (gradient_* is a deprecated alias).
         enable = getattr(model, "activation_checkpointing_enable", None)
         if getattr(model, "supports_gradient_checkpointing", False) and enable is not None:
+            hooks_before[:] = getattr(model, "_require_grads_hooks", None) or []
             try:
                 enable({"use_reentrant": False})
                 return
@@ -68,9 +71,29 @@ def every_block(blocks: Sequence[nn.Module]) -> Setup:
         flag = getattr(model, "is_activation_checkpointing", False)
         if flag() if callable(flag) else flag:
             model.activation_checkpointing_disable()
+            _remove_input_grad_hooks(model, hooks_before)
         _clear(blocks)
 
     return Setup("every block (torch)", "baseline", on, off)
+
+
+def _remove_input_grad_hooks(model: nn.Module, keep: list[Any]) -> None:
+    """Undo the embedding hook that HF's enable adds and its disable leaves behind (outside PEFT).
+
+    Left alone, every enable/disable cycle stacks one more forward hook on the
+    input embeddings (transformers 5.x), which also changes what torch.compile
+    guards on.
+    """
+    hooks = getattr(model, "_require_grads_hooks", None) or []
+    for hook in hooks:
+        if all(hook is not k for k in keep):
+            hook.remove()
+    if hooks:
+        model._require_grads_hooks = list(keep)
+        if keep:
+            model._require_grads_hook = keep[0]
+        else:
+            model.__dict__.pop("_require_grads_hook", None)
 
 
 def torch_selective(blocks: Sequence[nn.Module]) -> Setup:
@@ -113,6 +136,32 @@ def sqrt_segments(blocks: Sequence[nn.Module]) -> Setup:
                 b.forward = lambda hidden, *args, **kwargs: hidden
 
     return Setup(f"sqrt(n) segments ({len(segments)})", "baseline", on, lambda model: _clear(blocks))
+
+
+def torch_compile(budget: float) -> Setup:
+    """``torch.compile`` (inductor) of the model's forward, with the min-cut partitioner's memory budget.
+
+    ``torch._functorch.config.activation_memory_budget`` (1.0: what the default
+    partitioner saves; 0.0: recompute all it can) is read when AOTAutograd
+    partitions the graph, so it is set inside this setup's own backend. A
+    backend per setup also keeps each budget's graphs apart in dynamo's cache
+    (entries are guarded on the backend). Only the first step compiles.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    compiled: dict[int, Callable] = {}
+
+    def on(model: nn.Module) -> None:
+        if id(model) not in compiled:
+            compiled[id(model)] = torch.compile(type(model).forward.__get__(model), backend=backend)
+        model.forward = compiled[id(model)]
+
+    return Setup(f"torch.compile, budget {budget:g}", "compile", on, lambda model: _clear([model]))
 
 
 def no_checkpointing() -> Setup:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from rich.markdown import Markdown
@@ -16,17 +15,6 @@ from remat._cli_ui import Ui
 from remat.errors import RematError
 
 log = logging.getLogger("remat.cli")
-
-
-def _bench_module(needs: str) -> ModuleType:
-    # Imported lazily: the benchmarks pull in plotting and every zoo model.
-    try:
-        from remat import bench
-    except ImportError as exc:
-        raise RematError(f"remat: the benchmarks are not available in this installation ({exc}).") from None
-    if not hasattr(bench, needs):
-        raise RematError(f"remat: this remat.bench has no {needs}(); update remat.")
-    return bench
 
 
 def _zoo_names(names: list[str], command: str) -> None:
@@ -59,15 +47,28 @@ def _budget_item(text: str) -> float | str:
         return text.strip()
 
 
+def _compile_budgets(text: str) -> tuple[float, ...]:
+    try:
+        budgets = tuple(float(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        budgets = ()
+    if not budgets or any(not 0.0 <= b <= 1.0 for b in budgets):
+        raise RematError(f"remat bench --compile {text}: give activation memory budgets between 0 and 1, "
+                         "comma-separated (e.g. --compile 1,0.5,0.1).")
+    return budgets
+
+
 def cmd_bench(args: argparse.Namespace, ui: Ui) -> int:
     _zoo_names(args.models, "bench")
     options = {n: o for n, o in per_model_options(args.models, model_options(args), "bench").items() if o}
-    bench = _bench_module("run_bench")
+    from remat import bench  # lazily: it pulls in plotting and every zoo model
     kwargs: dict[str, Any] = {"quick": args.quick, "options": options or None, "command": args.command_line}
     if args.repeat is not None:
         kwargs["repeat"] = args.repeat
     if args.budgets:
         kwargs["budgets"] = tuple(_budget_item(b) for b in args.budgets.split(",") if b.strip())
+    if args.compile:
+        kwargs["compile_budgets"] = _compile_budgets(args.compile)
     log.info("benchmarking %s with %s", args.models, kwargs)
     with ui.progress(f"benchmarking {', '.join(args.models)}") as progress:
         report = bench.run_bench(args.models, progress=progress, **kwargs)
@@ -96,7 +97,7 @@ def cmd_max_batch(args: argparse.Namespace, ui: Ui) -> int:
     _zoo_names([args.model], "max-batch")
     budget = _absolute_budget(args.budget)
     options = per_model_options([args.model], model_options(args), "max-batch")[args.model]
-    bench = _bench_module("max_batch")
+    from remat import bench
     kwargs: dict[str, Any] = {"options": options or None}
     if args.limit is not None:
         kwargs["limit"] = args.limit

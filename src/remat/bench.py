@@ -12,13 +12,22 @@ same round; comparisons between two setups use their per-round differences
 (``remat._bench_report``), since on a shared CPU a step's time moves by 10% from
 one round to the next. Gradients and buffers after one step are compared bit for
 bit with no checkpointing under the same seed.
+
+NOTE [Compiled steps]
+``torch.compile``'s generated kernels allocate without going through the
+dispatcher, so remat's storage tracker cannot see them. On CPU a compiled
+setup's peak is taken from the allocator's own reports instead
+(``remat._memtrack.allocator_peak``; on eager steps the two agree to within a
+few bytes), after a first step that compiles. Its gradients are not expected to
+be bit-equal: inductor fuses and reorders floating-point work, and its dropout
+draws from its own random stream.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import platform
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,15 +38,20 @@ import torch
 from torch import nn
 
 import remat
-from remat._bench_setups import Setup, baselines, remat_plan
-from remat._step import training_step
+from remat._bench_setups import Setup, baselines, remat_plan, torch_compile
+from remat._memtrack import allocator_peak, storage_bytes
+from remat._rounds import Progress, interleaved_rounds
+from remat._step import input_tensors, training_step
 from remat.errors import RematError
 from remat.plan import Plan
 from remat.zoo import ZooModel, build
 
 __all__ = ["BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch", "run_bench", "search_max", "QUICK"]
 
-Progress = Callable[[str, int, int], None]
+_COMPILE_NOTE = ("torch.compile rows: peak from the CPU allocator's own reports (compiled kernels bypass the "
+                 "dispatcher that remat's tracker sits in), taken after the step that compiles; gradients are not "
+                 "bit-equal by design (inductor fuses and reorders float work and draws dropout from its own RNG). "
+                 "Compile time is not in the step time.")
 
 #: Small sizes for ``--quick`` (the smoke test in the suite).
 QUICK: dict[str, dict[str, Any]] = {
@@ -131,34 +145,54 @@ def _check(ref: tuple[dict, dict], zoo: ZooModel, setup: Setup) -> tuple[bool, b
 def _peak(zoo: ZooModel, setup: Setup) -> int:
     setup.on(zoo.model)
     try:
+        if setup.kind == "compile" and all(p.device.type == "cpu" for p in zoo.model.parameters()):
+            return _compiled_peak(zoo)
         return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
     finally:
         setup.off(zoo.model)
 
 
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _compiled_peak(zoo: ZooModel) -> int:
+    """Peak of a compiled step on CPU, from the allocator (NOTE [Compiled steps])."""
+    state = remat._state.capture(zoo.model)
+    try:
+        training_step(zoo.model, zoo.inputs, zoo.loss_fn)  # compiles, outside the measured step
+        zoo.model.zero_grad(set_to_none=True)
+        gc.collect()
+        resting = storage_bytes([*zoo.model.parameters(), *zoo.model.buffers(), *input_tensors(zoo.inputs)])
+        return resting + allocator_peak(lambda: training_step(zoo.model, zoo.inputs, zoo.loss_fn))
+    finally:
+        state.restore()
+
+
 def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int,
                        progress: Progress | None) -> list[list[float]]:
     """Per setup, its step time in each timed round (every setup once per round, shuffled order)."""
-    state = remat._state.capture(zoo.model)
-    times: list[list[float]] = [[] for _ in setups]
-    order = list(range(len(setups)))
-    try:
-        for r in range(warmup + repeat):
-            random.Random(r).shuffle(order)
-            for i in order:
-                setup = setups[i]
-                setup.on(zoo.model)
+
+    def timed(setup: Setup) -> Callable[[], float]:
+        def step() -> float:
+            setup.on(zoo.model)
+            try:
                 zoo.model.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 training_step(zoo.model, zoo.inputs, zoo.loss_fn)
-                if r >= warmup:
-                    times[i].append(time.perf_counter() - start)
+                return time.perf_counter() - start
+            finally:
                 setup.off(zoo.model)
-            if progress:
-                progress(f"{zoo.name}: timing round {r + 1}/{warmup + repeat}", r + 1, warmup + repeat)
+        return step
+
+    state = remat._state.capture(zoo.model)
+    try:
+        return interleaved_rounds([timed(s) for s in setups], warmup=warmup, repeat=repeat,
+                                  label=f"{zoo.name}: timing", progress=progress)
     finally:
         state.restore()
-    return times
 
 
 def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int],
@@ -184,17 +218,28 @@ def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], ba
 
 
 def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 2,
-                repeat: int = 7, progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
-    """Rows for one model: baselines, remat at ``budgets`` and at each baseline's measured peak."""
+                repeat: int = 7, compile_budgets: Sequence[float] = (),
+                progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
+    """Rows for one model: baselines, remat at ``budgets`` and at each baseline's measured peak.
+
+    ``compile_budgets``: also ``torch.compile`` at these activation memory
+    budgets (each compiles once, minutes on a small CPU; NOTE [Compiled steps]).
+    """
     notes: list[str] = []
     prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=list(zoo.blocks) or None, repeat=3, warmup=1)
-    base = baselines(zoo.model, [b.name for b in prof.blocks])
+    base = baselines(zoo.model, [b.name for b in prof.blocks]) + [torch_compile(b) for b in compile_budgets]
+    if compile_budgets:
+        notes.append(_COMPILE_NOTE)
     peaks = {s.name: _peak(zoo, s) for s in base}
     setups = base + _remat_setups(zoo, prof, budgets, peaks, notes)
     for s in setups[len(base):]:
         peaks[s.name] = _peak(zoo, s)
     reference = _one_step_state(zoo, base[0])
+    graphs = _compiled_graphs()
     times = _interleaved_times(zoo, setups, warmup=warmup, repeat=repeat, progress=progress)
+    if _compiled_graphs() != graphs:
+        notes.append(f"torch.compile compiled {_compiled_graphs() - graphs} graph(s) during the timed rounds "
+                     "(a guard failed), so some compile rows' times include compiling.")
     rows = []
     for setup, t in zip(setups, times):
         grads_ok, buffers_ok = _check(reference, zoo, setup)
@@ -214,7 +259,8 @@ def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35
 
 def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"),
               options: dict[str, dict] | None = None, warmup: int = 2, repeat: int = 7,
-              progress: Progress | None = None, command: str = "") -> BenchReport:
+              compile_budgets: Sequence[float] = (), progress: Progress | None = None,
+              command: str = "") -> BenchReport:
     """Benchmark each zoo model in ``models`` (``quick``: small sizes, 2 timed rounds)."""
     rows: list[BenchRow] = []
     notes: dict[str, list[str]] = {}
@@ -224,7 +270,8 @@ def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[A
             progress(f"{name}: profiling", i, len(models))
         zoo = build(name, **sizes)
         model_rows, notes[name] = bench_model(zoo, budgets=budgets, warmup=min(warmup, 1) if quick else warmup,
-                                              repeat=2 if quick else repeat, progress=progress)
+                                              repeat=2 if quick else repeat, compile_budgets=compile_budgets,
+                                              progress=progress)
         rows.extend(model_rows)
     meta = {
         "date": datetime.date.today().isoformat(),

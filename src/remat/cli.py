@@ -33,16 +33,18 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     from remat._demo import run_demo
 
     with ui.status("training the seed 000 CNN three ways ..."):
-        variants = run_demo(batch=args.batch, steps=args.steps)
+        variants = run_demo(batch=args.batch, steps=args.steps, rounds=args.rounds)
     ref = variants[0]
-    table = Table(title=f"seed 000 CIFAR-10 CNN, batch {args.batch}, {args.steps} SGD steps")
+    timing = (f"step time: median of {args.rounds} interleaved rounds; ratio: median over rounds of the ratio to "
+              "no checkpointing in the same round")
+    table = Table(title=f"seed 000 CIFAR-10 CNN, batch {args.batch}, {args.steps} SGD steps", caption=timing)
     for col in ("variant", "peak", "step time", "grads ok", "frozen params", "final loss", "losses == reference"):
         table.add_column(col)
     for v in variants:
         table.add_row(
             v.name,
             human_bytes(v.measurement.peak_bytes),
-            f"{v.measurement.step_time_s * 1e3:.0f} ms ({v.measurement.step_time_s / ref.measurement.step_time_s:.2f}x)",
+            f"{v.step_time_s * 1e3:.0f} ms ({v.time_ratio:.2f}x)",
             "yes" if v.measurement.grads_ok else f"no: {len(v.measurement.missing_grads)} missing",
             str(len(v.frozen)),
             f"{v.losses[-1]:.4f}",
@@ -61,16 +63,18 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     from remat._demo import run_plan_demo
 
     with ui.status("profiling, planning and verifying GPT-2 under a budget of 0.6 ..."):
-        demo = run_plan_demo(budget=0.6)
+        demo = run_plan_demo(budget=0.6, rounds=args.rounds)
     plan, base, ours = demo.plan, demo.baseline, demo.planned
-    table = Table(title=f"remat.auto on {demo.model}, budget 0.6 of the peak without checkpointing")
+    table = Table(title=f"remat.auto on {demo.model}, budget 0.6 of the peak without checkpointing",
+                  caption=timing)
     for col in ("", "peak", "step time", "grads"):
         table.add_column(col)
-    table.add_row("no checkpointing", human_bytes(base.peak_bytes), f"{base.step_time_s * 1e3:.0f} ms", "reference")
+    table.add_row("no checkpointing", human_bytes(base.peak_bytes), f"{demo.step_times_s[0] * 1e3:.0f} ms",
+                  "reference")
     table.add_row(
         f"remat plan (budget {human_bytes(plan.budget_bytes)})",
         f"{human_bytes(ours.peak_bytes)} (predicted {human_bytes(plan.predicted_peak_bytes)})",
-        f"{ours.step_time_s * 1e3:.0f} ms ({ours.step_time_s / base.step_time_s:.2f}x; "
+        f"{demo.step_times_s[1] * 1e3:.0f} ms ({demo.time_ratio:.2f}x; "
         f"predicted {1 + plan.predicted_overhead:.2f}x)",
         "bit-equal" if demo.grads_equal else "DIFFER",
     )
@@ -133,6 +137,8 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
                        help="the main job: the seed 000 CNN three ways, then profile, plan and verify GPT-2")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5, metavar="N",
+                   help="timed rounds, every variant once per round in a shuffled order (default 5)")
     p.add_argument("--no-plan", action="store_true", help="only the seed 000 part (skip the GPT-2 plan)")
     p.set_defaults(command=_cmd_demo)
 
@@ -144,6 +150,8 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (remat.bench.QUICK) and 2 timed rounds")
     p.add_argument("--budgets", metavar="0.9,0.5,min", help="comma-separated budgets for remat's plans")
     p.add_argument("--repeat", type=int, metavar="N", help="timed rounds per model (default: remat.bench's)")
+    p.add_argument("--compile", metavar="1,0.5,0.1",
+                   help="also torch.compile at these activation memory budgets (compiles once each: minutes)")
     p.add_argument("--markdown", metavar="FILE", help="also write the markdown table")
     add_model_options(p)
     p.set_defaults(command=cmd_bench)
