@@ -117,6 +117,27 @@ def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | Non
     return (table or {}).get(key[1]), remember
 
 
+# NOTE [Under torch.compile]
+# dynamo cannot trace the region (a dispatch mode, saved-tensor hooks, a holder
+# object) through torch's checkpoint, and fails with an internal error. Disabled
+# for dynamo, a checkpointed call is a graph break: it runs eagerly with every
+# guarantee above, and the code around it is still compiled. The disabled
+# wrapper is made on first use, because ``torch.compiler.disable`` imports
+# dynamo (a second at import time); torch's own checkpoint imports it on its
+# first call anyway.
+_uncompiled: Callable[..., Any] | None = None
+
+
+def _run_uncompiled(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
+    global _uncompiled
+    if _uncompiled is None:
+        # Looked up at each call, not bound now: the doctor replaces _run_checkpointed while it runs.
+        _uncompiled = torch.compiler.disable(
+            lambda *a: _run_checkpointed(*a), reason="remat.checkpoint runs eagerly under torch.compile"
+        )
+    return _uncompiled(fn, policy, preserve_rng_state, args, kwargs)
+
+
 def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
     learned, remember = _learned_memo(fn)
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
@@ -194,7 +215,7 @@ def checkpoint(
     _policy_contexts(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    return _run_checkpointed(fn, policy, preserve_rng_state, args, kwargs)
+    return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs)
 
 
 def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool) -> F:
