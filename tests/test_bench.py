@@ -143,3 +143,9 @@ def test_torch_compile_setup_keeps_each_budget_apart_and_is_measured_by_the_allo
     # which would be impossible had both budgets shared one cached graph.
     assert peaks[low.name] < peaks[full.name] <= eager, (peaks, eager)
     assert "forward" not in vars(zoo.model)
+
+
+def test_compile_budget_outside_zero_one_is_an_error_before_any_work():
+    zoo = build("gpt2", **QUICK["gpt2"])
+    with pytest.raises(remat.RematError, match=r"outside \[0, 1\]"):
+        bench_model(zoo, compile_budgets=(1.5,))

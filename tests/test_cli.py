@@ -291,6 +291,8 @@ BAD_IN_PROCESS = {
     "factory-for-bench": (["bench", "models.py:seed000"], ["zoo models only"]),
     "bench-option-no-model-takes": (["bench", "seed-cifar", "--layers", "2"],
                                     ["no model among seed-cifar takes layers"]),
+    "bench-compile-budget": (["bench", "seed-cifar", "--compile", "1,fast"], ["budgets between 0 and 1"]),
+    "bench-compile-range": (["bench", "seed-cifar", "--compile", "2"], ["budgets between 0 and 1"]),
 }
 
 

@@ -225,6 +225,10 @@ def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35
     ``compile_budgets``: also ``torch.compile`` at these activation memory
     budgets (each compiles once, minutes on a small CPU; NOTE [Compiled steps]).
     """
+    bad = [b for b in compile_budgets if not 0.0 <= b <= 1.0]
+    if bad:
+        raise RematError(f"remat.bench: torch.compile budgets {bad} are outside [0, 1]; the activation memory "
+                         "budget is a fraction (1: save what the default partitioner saves, 0: recompute all).")
     notes: list[str] = []
     prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=list(zoo.blocks) or None, repeat=3, warmup=1)
     base = baselines(zoo.model, [b.name for b in prof.blocks]) + [torch_compile(b) for b in compile_budgets]
