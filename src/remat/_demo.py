@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import remat
-from remat._rounds import interleaved_rounds, ratio_to
+from remat._rounds import interleaved_rounds, ratio_to, timed_step
 from remat._state import capture
 from remat._step import training_step
 from remat.measure import Measurement
@@ -53,18 +52,10 @@ class Variant:
 
 def _step_times(models: list[nn.Module], zoo: ZooModel, *, warmup: int, repeat: int) -> list[list[float]]:
     """Step times of every model in interleaved rounds (see ``remat._rounds``); the models are restored."""
-
-    def timed(model: nn.Module):
-        def step() -> float:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            training_step(model, zoo.inputs, zoo.loss_fn)
-            return time.perf_counter() - start
-        return step
-
     states = [capture(m) for m in models]
     try:
-        return interleaved_rounds([timed(m) for m in models], warmup=warmup, repeat=repeat)
+        return interleaved_rounds([timed_step(m, zoo.inputs, zoo.loss_fn) for m in models],
+                                  warmup=warmup, repeat=repeat)
     finally:
         for state in states:
             state.restore()

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from torch import nn
+
+from remat._step import LossFn, training_step
 from remat.errors import RematError
 
 #: ``progress(message, done, total)`` after each round.
@@ -46,3 +51,25 @@ def interleaved_rounds(timed: Sequence[Callable[[], float]], *, warmup: int, rep
 def ratio_to(times: Sequence[float], reference: Sequence[float]) -> float:
     """Median over rounds of a candidate's time over the reference's time in the same round."""
     return statistics.median(a / b for a, b in zip(times, reference, strict=True))
+
+
+def timed_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, *,
+               on: Callable[[], None] | None = None, off: Callable[[], None] | None = None) -> Callable[[], float]:
+    """A candidate for :func:`interleaved_rounds`: one training step of ``model``, timed.
+
+    ``on``/``off`` run around it, untimed (installing and removing a setup).
+    """
+
+    def step() -> float:
+        if on is not None:
+            on()
+        try:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            training_step(model, inputs, loss_fn)
+            return time.perf_counter() - start
+        finally:
+            if off is not None:
+                off()
+
+    return step

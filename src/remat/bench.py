@@ -29,18 +29,16 @@ import datetime
 import gc
 import platform
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 import remat
 from remat._bench_setups import Setup, baselines, remat_plan, torch_compile
 from remat._memtrack import allocator_peak, storage_bytes
-from remat._rounds import Progress, interleaved_rounds
+from remat._rounds import Progress, interleaved_rounds, timed_step
 from remat._step import input_tensors, training_step
 from remat.errors import RematError
 from remat.plan import Plan
@@ -174,23 +172,12 @@ def _compiled_peak(zoo: ZooModel) -> int:
 def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int,
                        progress: Progress | None) -> list[list[float]]:
     """Per setup, its step time in each timed round (every setup once per round, shuffled order)."""
-
-    def timed(setup: Setup) -> Callable[[], float]:
-        def step() -> float:
-            setup.on(zoo.model)
-            try:
-                zoo.model.zero_grad(set_to_none=True)
-                start = time.perf_counter()
-                training_step(zoo.model, zoo.inputs, zoo.loss_fn)
-                return time.perf_counter() - start
-            finally:
-                setup.off(zoo.model)
-        return step
-
+    steps = [timed_step(zoo.model, zoo.inputs, zoo.loss_fn, on=lambda s=s: s.on(zoo.model),
+                        off=lambda s=s: s.off(zoo.model)) for s in setups]
     state = remat._state.capture(zoo.model)
     try:
-        return interleaved_rounds([timed(s) for s in setups], warmup=warmup, repeat=repeat,
-                                  label=f"{zoo.name}: timing", progress=progress)
+        return interleaved_rounds(steps, warmup=warmup, repeat=repeat, label=f"{zoo.name}: timing",
+                                  progress=progress)
     finally:
         state.restore()
 

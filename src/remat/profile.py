@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from remat._format import load_versioned, profile_table
-from remat.checkpoint import POLICIES
 from remat.errors import RematError
 
 __all__ = ["BlockProfile", "Profile", "SegmentCost"]
