@@ -134,6 +134,10 @@ def markdown(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+#: Per kind of non-remat row: marker style and label offset (baselines filled dots, torch.compile open squares).
+_POINT_STYLE = {"baseline": ({"fmt": "o"}, (4, 4)), "compile": ({"fmt": "s", "mfc": "white"}, (4, -8))}
+
+
 def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
     """One Pareto plot per model: peak vs step time, baselines as points, remat's plans as a line."""
     import matplotlib
@@ -152,14 +156,10 @@ def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
             return [[d - lo for d, lo, _ in spans], [hi - d for d, _, hi in spans]]
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for r in (r for r in rows if r.kind == "baseline"):
-            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), fmt="o", ms=6, capsize=3, zorder=3)
-            ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=(4, 4),
-                        textcoords="offset points")
-        for r in (r for r in rows if r.kind == "compile"):
-            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), fmt="s", ms=6, capsize=3, zorder=3,
-                        mfc="white")
-            ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=(4, -8),
+        for r in (r for r in rows if r.kind in _POINT_STYLE):
+            style, offset = _POINT_STYLE[r.kind]
+            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), ms=6, capsize=3, zorder=3, **style)
+            ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=offset,
                         textcoords="offset points")
         ours = sorted((r for r in rows if r.kind == "remat"), key=lambda r: r.peak_bytes)
         ax.errorbar([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], yerr=err(ours), fmt="o-",

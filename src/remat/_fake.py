@@ -81,7 +81,7 @@ def run_fake_profile(
                 with mode:
                     traced[policy], io, _ = traced_step(model, fake_inputs, loss_fn, names, op_cost=target.op_seconds)
                 io_bytes = io_bytes or io
-            return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, {},
+            return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [],
                              fake=True, target=target.name, device=f"{target.name} (fake)")
     except torch._subclasses.fake_tensor.DataDependentOutputException as exc:
         raise RematError(

@@ -167,21 +167,22 @@ def run_profile(
             _check_same_structure(traced)
             seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
             recompute: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
-            totals: dict[str, list[float]] = {p: [] for p in policies}
+            keep_steps: list[float] = []  # whole-step times without checkpointing: the profile's step time
             for i in range(warmup + repeat):
                 for policy in policies:  # interleaved, so drift hits every policy alike
                     switch.set(policy)
                     segs = _timed_segments(model, inputs, loss_fn, names)
                     state.restore()
                     if i >= warmup:
-                        totals[policy].append(sum(s.seconds for s in segs))
+                        if policy == "keep":
+                            keep_steps.append(sum(s.seconds for s in segs))
                         for s in segs:
                             seconds[policy][s.key].append(s.seconds)
                             recompute[policy][s.key].append(s.recompute_s)
         finally:
             switch.restore()
             state.restore()
-        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, totals, recompute=recompute)
+        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps, recompute=recompute)
 
 
 def _assemble(
@@ -192,7 +193,7 @@ def _assemble(
     traced: dict[str, list[Segment]],
     io_bytes: dict[str, tuple[int, int]],
     seconds: dict[str, dict[Key, list[float]]],
-    totals: dict[str, list[float]],
+    keep_steps: list[float],
     *,
     recompute: dict[str, dict[Key, list[float]]] | None = None,
     fake: bool = False,
@@ -210,7 +211,7 @@ def _assemble(
     keep = traced["keep"]
     params = list(model.parameters())
     step_time = (
-        sum(s.op_s for s in keep) if fake else statistics.median(totals["keep"])
+        sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
     )
     return Profile(
         model=type(model).__name__,

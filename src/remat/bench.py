@@ -26,7 +26,6 @@ draws from its own random stream.
 from __future__ import annotations
 
 import datetime
-import gc
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -37,10 +36,10 @@ import torch
 
 import remat
 from remat._bench_setups import Setup, baselines, remat_plan, torch_compile
-from remat._memtrack import allocator_peak, storage_bytes
 from remat._rounds import Progress, interleaved_rounds, timed_step
-from remat._step import input_tensors, training_step
+from remat._step import training_step
 from remat.errors import RematError
+from remat.measure import measure_peak
 from remat.plan import Plan
 from remat.zoo import ZooModel, build
 
@@ -161,10 +160,7 @@ def _compiled_peak(zoo: ZooModel) -> int:
     state = remat._state.capture(zoo.model)
     try:
         training_step(zoo.model, zoo.inputs, zoo.loss_fn)  # compiles, outside the measured step
-        zoo.model.zero_grad(set_to_none=True)
-        gc.collect()
-        resting = storage_bytes([*zoo.model.parameters(), *zoo.model.buffers(), *input_tensors(zoo.inputs)])
-        return resting + allocator_peak(lambda: training_step(zoo.model, zoo.inputs, zoo.loss_fn))
+        return measure_peak(zoo.model, zoo.inputs, zoo.loss_fn, allocator=True)[0]
     finally:
         state.restore()
 
@@ -204,6 +200,14 @@ def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], ba
     return [remat_plan(plan, " = ".join(labels)) for labels, plan in plans.values()]
 
 
+def _check_compile_budgets(budgets: Sequence[float]) -> None:
+    """A RematError unless every ``torch.compile`` activation memory budget is a fraction in [0, 1]."""
+    bad = [b for b in budgets if not 0.0 <= b <= 1.0]
+    if bad:
+        raise RematError(f"remat.bench: torch.compile budgets {bad} are outside [0, 1]: give activation memory "
+                         "budgets between 0 and 1 (1: save what the default partitioner saves, 0: recompute all).")
+
+
 def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 2,
                 repeat: int = 7, compile_budgets: Sequence[float] = (),
                 progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
@@ -212,10 +216,7 @@ def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35
     ``compile_budgets``: also ``torch.compile`` at these activation memory
     budgets (each compiles once, minutes on a small CPU; NOTE [Compiled steps]).
     """
-    bad = [b for b in compile_budgets if not 0.0 <= b <= 1.0]
-    if bad:
-        raise RematError(f"remat.bench: torch.compile budgets {bad} are outside [0, 1]; the activation memory "
-                         "budget is a fraction (1: save what the default partitioner saves, 0: recompute all).")
+    _check_compile_budgets(compile_budgets)
     notes: list[str] = []
     prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=list(zoo.blocks) or None, repeat=3, warmup=1)
     base = baselines(zoo.model, [b.name for b in prof.blocks]) + [torch_compile(b) for b in compile_budgets]
@@ -253,6 +254,7 @@ def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[A
               compile_budgets: Sequence[float] = (), progress: Progress | None = None,
               command: str = "") -> BenchReport:
     """Benchmark each zoo model in ``models`` (``quick``: small sizes, 2 timed rounds)."""
+    _check_compile_budgets(compile_budgets)  # before building or profiling anything
     rows: list[BenchRow] = []
     notes: dict[str, list[str]] = {}
     for i, name in enumerate(models):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._memtrack import StorageTracker, storage_bytes
+from remat._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat._state import capture
 from remat._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat.errors import RematError
@@ -86,9 +86,14 @@ def _resting_tensors(model: nn.Module, inputs: Any, optimizer: torch.optim.Optim
 
 
 def measure_peak(
-    model: nn.Module, inputs: Any, loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
+    *, allocator: bool = False,
 ) -> tuple[int, int, float]:
-    """(peak bytes, resting bytes, loss) of one step; gradients are left on the model."""
+    """(peak bytes, resting bytes, loss) of one step; gradients are left on the model.
+
+    ``allocator``: off CUDA, count the step from the CPU allocator's reports rather than
+    from the dispatcher, for kernels it never sees (``torch.compile``'s).
+    """
     device = _device_of(model, inputs)
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -100,6 +105,10 @@ def measure_peak(
         _sync(device)
         return torch.cuda.max_memory_allocated(device), resting, float(loss)
     resting_tensors = _resting_tensors(model, inputs, optimizer)
+    if allocator:
+        step_peak, loss = allocator_peak(lambda: training_step(model, inputs, loss_fn, optimizer))
+        resting = storage_bytes(resting_tensors)
+        return resting + step_peak, resting, float(loss)
     tracker = StorageTracker(known=resting_tensors)
     with tracker:
         loss = training_step(model, inputs, loss_fn, optimizer)
