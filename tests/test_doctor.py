@@ -1,6 +1,7 @@
 """remat.doctor: each seed reproduced as its user wrote it, each finding with the right modules named,
 correct checkpointing reported ok, and the model (and torch) exactly as before afterwards."""
 
+import functools
 import importlib
 import json
 import sys
@@ -294,11 +295,45 @@ def test_dropout_with_preserve_rng_state_false():
     assert set(wrong.params) <= {n for n, _ in DropoutBlock(False).named_parameters()}
     assert "block.0.weight" in wrong.params and wrong.numbers["max_rel_error"] > 1e-3
     assert "rng-not-preserved" in wrong.message
+    stream = only(report, "rng-stream-changed")  # recompute drew from the global generator: later steps differ
+    assert "CPU" in stream.message and "preserve_rng_state=True" in stream.fix
 
 
 def test_dropout_inside_a_checkpoint_with_rng_preserved_is_fine():
     # Seed 000's user moved Dropout out of the blocks, "incompatible with checkpointing": it is not.
     assert diagnose(DropoutBlock(preserve=True), torch.randn(8, 16)).codes() == []
+
+
+class SavedDropout(nn.Module):
+    """A selective checkpoint that keeps a random op's output, then draws again (rrelu)."""
+
+    def __init__(self, use_remat):
+        super().__init__()
+        self.inp, self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+        self.use_remat = use_remat
+
+    def block(self, x):
+        # native_dropout is what F.dropout runs on CUDA (on CPU: bernoulli_ and mul).
+        return self.b(F.rrelu(self.a(torch.native_dropout(x, 0.5, True)[0]), training=True))
+
+    def forward(self, x):
+        save = [torch.ops.aten.native_dropout.default, torch.ops.aten.addmm.default]
+        if self.use_remat:
+            return remat.checkpoint(self.block, self.inp(x), policy=save)
+        context = functools.partial(tc.create_selective_checkpoint_contexts, save)
+        return tc.checkpoint(self.block, self.inp(x), use_reentrant=False, context_fn=context)
+
+
+def test_selective_checkpoint_that_saves_a_random_op():
+    report = diagnose(SavedDropout(use_remat=False), torch.randn(8, 16))
+    saved = only(report, "saved-random-op")
+    assert saved.severity == "error" and saved.numbers["saved_random_outputs"] == 1
+    assert "aten.native_dropout.default" in saved.message and "remat.checkpoint" in saved.fix
+    assert "wrong-gradients" in report.codes()
+
+
+def test_remat_selective_checkpoint_that_saves_a_random_op_is_fine():
+    assert diagnose(SavedDropout(use_remat=True), torch.randn(8, 16)).codes() == []
 
 
 # --- side effects in forward and in hooks ---------------------------------------------------------------

@@ -27,7 +27,7 @@ class Finding:
 
     code: str
     """Stable identifier: ``frozen-by-checkpoint``, ``wrong-gradients``, ``rng-not-preserved``,
-    ``buffers-updated-twice``, ``side-effects-repeated``, ``checkpoint-does-not-pay``,
+    ``saved-random-op``, ``rng-stream-changed``, ``buffers-updated-twice``, ``side-effects-repeated``, ``checkpoint-does-not-pay``,
     ``risky-call`` or ``illusory-speedup``."""
     severity: str
     """``"error"``: training differs from the model without checkpointing; ``"warning"``:
@@ -67,6 +67,8 @@ class StepRecord:
     """Module forwards started during backward (recomputation)."""
     completed: dict[str, int]
     """Module forwards that returned (their forward hooks ran), forward and backward."""
+    rng: list[torch.Tensor] = field(default_factory=list)
+    """The RNG states after the step: CPU, then each CUDA device (when CUDA is initialised)."""
 
 
 @dataclass
@@ -230,6 +232,48 @@ def check_rng(ck: StepRecord) -> list[Finding]:
             _sites(calls), {"random_ops": ops},
         ))
     return findings
+
+
+def check_saved_random(ck: StepRecord) -> list[Finding]:
+    groups: dict[tuple[str, str], list[CheckpointCall]] = defaultdict(list)
+    for c in ck.calls:
+        if c.saved_random_ops:
+            groups[(c.site, c.target)].append(c)
+    findings = []
+    for calls in groups.values():
+        ops = sorted({op for c in calls for op in c.saved_random_ops})
+        count = sum(len(c.saved_random_ops) for c in calls)
+        message = (
+            f"{_where(calls)} uses selective checkpointing that keeps the output of {', '.join(ops)}, which draws "
+            f"random numbers ({count} such outputs kept per step). Recompute reuses the kept output without drawing, "
+            "so the random number generator is not advanced and every later random op of the region (dropout) "
+            "draws a different mask than the forward did. On CUDA, scaled_dot_product_attention with dropout is "
+            "such an op."
+        )
+        fix = ("Use remat.checkpoint(fn, *args, policy=...) with the same op list or policy function: it advances "
+               "the generator past every kept random op in recompute. With torch's checkpoint, leave random ops out "
+               "of the save list (return PREFER_RECOMPUTE for them).")
+        findings.append(Finding(
+            "saved-random-op", ERROR, message, fix, _union(c.module_names for c in calls), (), _sites(calls),
+            {"saved_random_outputs": count},
+        ))
+    return findings
+
+
+def check_rng_stream(ref: StepRecord, ck: StepRecord) -> list[Finding]:
+    if len(ref.rng) == len(ck.rng) and all(torch.equal(a, b) for a, b in zip(ref.rng, ck.rng)):
+        return []
+    streams = ["CPU", *(f"cuda:{i}" for i in range(max(len(ref.rng), len(ck.rng)) - 1))]
+    differ = [s for s, a, b in zip(streams, ref.rng, ck.rng) if not torch.equal(a, b)] or streams
+    message = (
+        f"After one step the random number stream{'s' if len(differ) > 1 else ''} ({', '.join(differ)}) differ from "
+        "the step without checkpointing: recomputation drew from the global generator without restoring it, so "
+        "every later step draws different dropout masks and data-loader shuffles than the model without "
+        "checkpointing would."
+    )
+    fix = ("Keep preserve_rng_state=True (the default), which restores the generators around recomputation, or "
+           "use remat.checkpoint; draw random numbers inside checkpointed regions only from the default generators.")
+    return [Finding("rng-stream-changed", ERROR, message, fix, (), (), _sites(ck.calls), {"streams": len(differ)})]
 
 
 def check_buffers(ref: StepRecord, ck: StepRecord, before: dict[str, torch.Tensor | None]) -> list[Finding]:

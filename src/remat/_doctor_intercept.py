@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from remat._rng import SAVE_DECISIONS, draws_random
 from remat.errors import RematError
 
 # By module path: ``remat.checkpoint`` as an attribute is the function, not the module.
@@ -108,6 +109,8 @@ class CheckpointCall:
     """Modules (or ops, outside any module) that drew random numbers inside the region."""
     random_ops: int = 0
     """Random ops run inside the region in forward."""
+    saved_random_ops: list[str] = field(default_factory=list)
+    """Random ops whose outputs torch's selective checkpointing keeps (recompute then skips their draw)."""
 
     @property
     def site(self) -> str:
@@ -269,6 +272,8 @@ class Interceptor:
         if plain:
             yield  # torch's checkpoint calls the function itself between the two steps
             return
+        if call is not None and bound.arguments.get("context_fn", tuc.noop_context_fn) is not tuc.noop_context_fn:
+            bound.arguments["context_fn"] = functools.partial(_observed_contexts, bound.arguments["context_fn"], call)
         try:
             yield from real(*bound.args, **bound.kwargs)
         finally:
@@ -333,6 +338,23 @@ class _ReentrantDoor:
         return self.icpt.reentrant_apply(self.real, function, preserve, *args)
 
 
+def _observed_contexts(context_fn: Callable[[], tuple[Any, Any]], call: CheckpointCall) -> tuple[Any, Any]:
+    # torch's selective checkpointing asks its policy about every op right after running
+    # it in forward; a random op it keeps is not rerun in recompute (NOTE in remat._rng).
+    # remat's own regions replay the generator instead, so only torch's modes are watched.
+    forward, recompute = context_fn()
+    policy = getattr(forward, "policy_fn", None)
+    if type(forward).__name__ == "_CachingTorchDispatchMode" and callable(policy):
+        def observed(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            decision = policy(ctx, func, *args, **kwargs)
+            if draws_random(func) and decision in SAVE_DECISIONS:
+                call.saved_random_ops.append(str(func))
+            return decision
+
+        forward.policy_fn = observed
+    return forward, recompute
+
+
 class _RandomOps(TorchDispatchMode):
     """Reports every op that draws from an RNG (dropout's bernoulli_, rrelu, rand*)."""
 
@@ -341,7 +363,7 @@ class _RandomOps(TorchDispatchMode):
         self.icpt = icpt
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if draws_random(func):
             self.icpt.on_random_op(func)
         return func(*args, **(kwargs or {}))
 

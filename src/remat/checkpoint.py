@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat._rng import ReplayContext, RngLedger
 from remat._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.errors import RematError
 
@@ -67,18 +68,37 @@ def _save_compute_intensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Che
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _policy_contexts(policy: Any) -> Callable[[], tuple[Any, Any]] | None:
-    if policy in (None, "full", "keep"):
+def _save_listed(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _policy_function(policy: Any) -> Callable[..., Any] | None:
+    """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
+    if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
         return None
-    if policy == "selective":
-        return functools.partial(create_selective_checkpoint_contexts, _save_compute_intensive)
-    if callable(policy) or isinstance(policy, (list, tuple, set, frozenset)):
-        ops = list(policy) if not callable(policy) else policy
-        return functools.partial(create_selective_checkpoint_contexts, ops)
+    if isinstance(policy, str) and policy == "selective":
+        return _save_compute_intensive
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
+        if odd:
+            raise RematError(
+                f"remat.checkpoint: a policy list holds aten op overloads to save, got {odd[0]!r} "
+                f"({type(odd[0]).__name__}); name an overload, e.g. torch.ops.aten.mm.default."
+            )
+        return functools.partial(_save_listed, frozenset(policy))
+    if callable(policy) and not isinstance(policy, str):
+        return policy
     raise RematError(
         f"remat.checkpoint: unknown policy {policy!r}; use 'full', 'selective', 'keep', a list of aten ops "
         "to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
     )
+
+
+def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool) -> tuple[Any, Any]:
+    # Every selective policy goes through the ledger: see NOTE in remat._rng.
+    ledger = RngLedger(policy_fn)
+    forward, recompute = create_selective_checkpoint_contexts(ledger.decide)
+    return forward, Stacked(recompute, ReplayContext(ledger)) if replay_rng else recompute
 
 
 def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -142,11 +162,14 @@ def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args:
     learned, remember = _learned_memo(fn)
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
     region = Region(args, kwargs, learned, owner if isinstance(owner, nn.Module) else None)
-    sac = _policy_contexts(policy)
+    policy_fn = _policy_function(policy)
     phase = {"forward": True}
 
     def context_fn() -> tuple[Any, Any]:
-        fwd, rec = sac() if sac is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        if policy_fn is None:
+            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+        else:
+            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state)
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
     def run(_holder: Region, *_markers: torch.Tensor) -> Any:
@@ -197,7 +220,9 @@ def checkpoint(
         policy: ``"full"`` recomputes everything; ``"selective"`` keeps the
             outputs of matmuls, convolutions and attention and recomputes the
             rest; a list of aten ops to keep, or a torch selective-checkpoint
-            policy function.
+            policy function. Whatever it keeps, random streams are unchanged: a
+            kept op that draws random numbers (CUDA attention with dropout) still
+            advances the generator in recompute (NOTE in ``remat._rng``).
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
 
@@ -212,7 +237,7 @@ def checkpoint(
         return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state)
     if not callable(fn):
         raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
-    _policy_contexts(policy)  # validate before running anything
+    _policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat import _doctor_checks as checks
@@ -142,7 +143,13 @@ def _step(run: _Run, *, plain: bool) -> StepRecord:
         forward_calls=dict(icpt.forward_calls),
         backward_calls=dict(icpt.backward_calls),
         completed=dict(icpt.completed),
+        rng=_rng_states(),
     )
+
+
+def _rng_states() -> list:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return [torch.get_rng_state(), *cuda]
 
 
 def _measure(run: _Run, plain: Plain, warmup: int) -> Measurement:
@@ -283,6 +290,8 @@ def _report(ref: StepRecord, ck: StepRecord, costs: Costs | None, state: ModelSt
         *checks.check_frozen(ref, ck, frozen),
         *checks.check_gradients(ref, ck, set(frozen), rtol, atol),
         *checks.check_rng(ck),
+        *checks.check_saved_random(ck),
+        *checks.check_rng_stream(ref, ck),
         *checks.check_buffers(ref, ck, state.buffers),
         *checks.check_side_effects(ref, ck, python.hooks),
         *(checks.check_cost(ck, costs, leaves, min_saving) if costs is not None else ()),
