@@ -13,8 +13,8 @@ import os
 import pathlib
 import sys
 
-from remat._bench_report import plot
 from remat.bench import max_batch, run_bench
+from remat.bench._report import plot
 from remat.zoo import build, names
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -45,8 +45,8 @@ def main() -> None:
 
         options = QUICK.get(name, {}) if args.quick else {}
         zoo = build(name, **options)
-        from remat.bench import _peak
-        from remat._bench_setups import no_checkpointing
+        from remat.bench._run import _peak
+        from remat.bench._setups import no_checkpointing
 
         budget = _peak(zoo, no_checkpointing())  # what no checkpointing needs at the default batch
         result = max_batch(name, budget, options=options, progress=progress)

@@ -19,7 +19,7 @@ import time
 import torch
 
 import remat
-from remat._format import human_bytes
+from remat.profiling._format import human_bytes
 from remat.zoo import build, names
 
 QUICK = {

@@ -9,7 +9,7 @@ import statistics
 import time
 
 import remat
-from remat._synthetic import synthetic_profile
+from remat.planning._synthetic import synthetic_profile
 
 
 def main() -> None:

@@ -4,6 +4,14 @@ import warnings
 import pytest
 import torch
 
+#: Small zoo sizes for the profile, plan and conflict tests (seconds each).
+SMALL = {
+    "seed-cifar": {"batch": 16},
+    "gpt2": {"layers": 3, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
+    "llama": {"layers": 3, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
+              "batch": 2},
+}
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():
@@ -56,7 +64,7 @@ def step(model, x, seed=1, fn=None):
 
 
 def assert_state_equal(a, b):
-    """Two remat._state snapshots are identical: parameters, grads, flags, buffers, training, RNG."""
+    """Two remat.core._state snapshots are identical: parameters, grads, flags, buffers, training, RNG."""
     assert a.params.keys() == b.params.keys()
     for name in a.params:
         (da, ga, ra), (db, gb, rb) = a.params[name], b.params[name]

@@ -2,14 +2,15 @@
 chosen automatically under a memory budget, and measured honestly."""
 
 from remat import distributed
-from remat._region import is_recomputing
-from remat.apply import apply, auto, remove
-from remat.checkpoint import POLICIES, SAVE_OPS, checkpoint, is_wrapped, unwrap, wrap
-from remat.doctor import DoctorReport, Finding, doctor
+from remat.core._region import is_recomputing
+from remat.core.checkpoint import POLICIES, SAVE_OPS, checkpoint, is_wrapped, unwrap, wrap
+from remat.core.measure import Measurement, measure
+from remat.diagnosis.doctor import DoctorReport, Finding, doctor
 from remat.errors import RematError
-from remat.measure import Measurement, measure
-from remat.plan import Plan, parse_budget, plan
-from remat.profile import BlockProfile, Profile, profile
+from remat.planning.apply import apply, auto, remove
+from remat.planning.plan import Plan, parse_budget, plan
+from remat.profiling._types import BlockProfile, Profile
+from remat.profiling.profile import profile
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ All ranks must profile because every step runs collectives.
 DDP keeps one more copy of the gradients in its communication buckets, alive
 for the whole step. They are allocated when DDP is built, so no tracked op
 creates them; ``remat.measure`` finds them when the reducer first writes them and
-counts them as resting (``remat._memtrack``, NOTE [Resting storages nobody
+counts them as resting (``remat.core._memtrack``, NOTE [Resting storages nobody
 listed]). For planning, the unwrapped module is profiled (exact, and no
 collectives, so only rank 0 does it) and ``ddp=True`` adds the buckets, one copy
 of the gradients, to its resting bytes.
@@ -36,12 +36,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from remat._blocks import find_blocks
-from remat._conflicts import check_no_double_checkpointing
-from remat.apply import apply, remove
+from remat.core._conflicts import check_no_double_checkpointing
 from remat.errors import RematError
-from remat.plan import Plan, plan as make_plan
-from remat.profile import Profile, profile as make_profile
+from remat.planning.apply import apply, remove
+from remat.planning.plan import Plan, plan as make_plan
+from remat.profiling._blocks import find_blocks
+from remat.profiling._types import Profile
+from remat.profiling.profile import profile as make_profile
 
 __all__ = ["auto", "is_sharded", "plan_on_rank0"]
 

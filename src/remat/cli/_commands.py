@@ -1,0 +1,284 @@
+"""``remat profile``, ``remat plan`` and ``remat doctor``: each collects its numbers in a
+``*_data`` function (what ``--json`` prints, the Python API's own figures) and renders
+them in a separate one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.markup import escape
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+import remat
+from remat.cli._model import Loaded, check_device, load_model, model_options
+from remat.cli._ui import Ui
+from remat.errors import RematError
+from remat.profiling._format import human_bytes
+
+log = logging.getLogger("remat.cli")
+
+_STRATEGY_HELP = "optimal (default: least extra time within --budget), none, all, selective, sqrt, every:K"
+
+
+def _num(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _ms(seconds: float) -> str:
+    return _num(seconds * 1e3)
+
+
+def _time_unit(step_time_s: float) -> tuple[str, float]:
+    # Fake profiles of small models on an H100 roofline take microseconds: ms would read 0.00.
+    return ("ms", 1e3) if step_time_s >= 1e-3 else ("µs", 1e6)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    fake = getattr(args, "fake", False)
+    if getattr(args, "target", None) and not fake:
+        raise RematError(f"remat: --target {args.target} only applies with --fake (a real profile measures "
+                         "the device it runs on); add --fake.")
+    if fake and args.device is not None:
+        raise RematError("remat: --fake runs on fake tensors and times them for --target; drop --device.")
+    check_device(args.device)
+
+
+def load(args: argparse.Namespace, ui: Ui) -> Loaded:
+    """MODEL with its options, on ``--device``; flags checked before the slow part."""
+    _check_flags(args)
+    options = model_options(args)
+    log.info("building %s with options %s", args.model, options)
+    with ui.status(f"building {args.model} ..."):
+        return load_model(args.model, options, device=args.device, fake=getattr(args, "fake", False))
+
+
+def _blocks(text: str | None) -> str | list[str] | None:
+    if text is None or text in ("auto", "coarse", "fine"):
+        return text
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
+    """``remat.profile`` with the command line's options."""
+    kind = f"fake tensors for {args.target or 'cpu'}" if args.fake else "measured"
+    with ui.status(f"profiling {args.model} ({kind}): one traced step per policy ..."):
+        return remat.profile(
+            loaded.model, loaded.inputs, loaded.loss_fn, blocks=_blocks(args.blocks), repeat=args.repeat,
+            fake=args.fake, target=args.target if args.fake else None,
+        )
+
+
+def _table(title: str, names: list[str], columns: tuple[str, ...]) -> Table:
+    """A compact table whose first column fits the block names whole (they are what users copy)."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("block", no_wrap=True, min_width=min(48, max(map(len, names), default=5)))
+    for col in columns:  # headers take two lines to keep columns narrow; in a narrow terminal
+        table.add_column(col, justify="right")  # numbers wrap rather than being cut off
+    return table
+
+
+# -- profile ------------------------------------------------------------------------------------
+
+
+def profile_data(args: argparse.Namespace, prof: Any, loaded: Loaded) -> dict[str, Any]:
+    """The profile as ``remat profile --json`` prints it: summary figures and one entry per block."""
+    blocks = [
+        {**asdict(b), "peak_if_full_bytes": prof.predict_peak({b.name: "full"}) if "full" in prof.policies else None}
+        for b in prof.blocks
+    ]
+    return {
+        "source": args.model,
+        "options": loaded.options,
+        "model": prof.model,
+        "device": prof.device,
+        "fake": prof.fake,
+        "target": prof.target,
+        "baseline_peak_bytes": prof.baseline_peak_bytes,
+        "min_peak_bytes": remat.plan(prof, strategy="none").min_peak_bytes,
+        "resting_bytes": prof.resting_bytes,
+        "param_bytes": prof.param_bytes,
+        "grad_bytes": prof.grad_bytes,
+        "step_time_s": prof.step_time_s,
+        "policies": list(prof.policies),
+        "blocks": blocks,
+        "notes": list(prof.notes),
+    }
+
+
+def _profile_table(data: dict[str, Any]) -> Table:
+    """Per block: input and output bytes; bytes kept for backward beyond the output under each
+    policy; forward and backward time; extra step time per policy; forward FLOPs; the step's
+    peak with only this block fully recomputed, against the peak without checkpointing."""
+    kind = f"fake tensors, times modelled for {data['target']}" if data["fake"] else f"measured on {data['device']}"
+    unit, scale = _time_unit(data["step_time_s"])
+    flop_unit, flop_scale = ("GFLOP", 1e9) if max((b["fwd_flops"] for b in data["blocks"]), default=0) >= 1e9 \
+        else ("MFLOP", 1e6)
+    columns = ("in", "out", "kept\nkeep", "kept\nsel", "kept\nfull", f"fwd\n{unit}", f"bwd\n{unit}",
+               f"+{unit}\nsel", f"+{unit}\nfull", f"{flop_unit}\nfwd", "peak if\nfull")
+    table = _table(f"{data['model']} ({data['source']}): {len(data['blocks'])} blocks, {kind}",
+                   [b["name"] for b in data["blocks"]], columns)
+    base = data["baseline_peak_bytes"]
+    for b in data["blocks"]:
+        saved = [human_bytes(b["saved_bytes"][k]) if k in b["saved_bytes"] else "-"
+                 for k in ("keep", "selective", "full")]
+        extra = [_num(b["extra_time_s"][k] * scale) if k in b["extra_time_s"] else "-" for k in ("selective", "full")]
+        full = b["peak_if_full_bytes"]
+        table.add_row(
+            escape(b["name"]), human_bytes(b["input_bytes"]), human_bytes(b["output_bytes"]), *saved,
+            _num(b["fwd_time_s"] * scale), _num(b["bwd_time_s"] * scale), *extra, _num(b["fwd_flops"] / flop_scale),
+            "-" if full is None else f"{(full - base) / base:+.1%}",
+        )
+    return table
+
+
+def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
+    loaded = load(args, ui)
+    prof = run_profile(args, ui, loaded)
+    data = profile_data(args, prof, loaded)
+    if args.out:
+        Path(args.out).write_text(prof.to_json())
+    if ui.json:
+        ui.emit(data)
+    else:
+        ui.show(_profile_table(data))
+        ui.say(
+            f"Peak without checkpointing {human_bytes(data['baseline_peak_bytes'])}; lowest any plan reaches "
+            f"{human_bytes(data['min_peak_bytes'])}. Resting {human_bytes(data['resting_bytes'])} (parameters "
+            f"{human_bytes(data['param_bytes'])}), gradients {human_bytes(data['grad_bytes'])}, step "
+            f"{_num(data['step_time_s'] * _time_unit(data['step_time_s'])[1])} {_time_unit(data['step_time_s'])[0]}."
+        )
+        for note in data["notes"]:
+            ui.say(note)
+    if args.out:
+        ui.say(f"Wrote the full profile to {args.out} (remat.Profile.from_json reads it).")
+    return 0
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+
+def _check_plan_args(args: argparse.Namespace) -> None:
+    from remat.planning.plan import parse_budget
+
+    if args.strategy == "optimal" and args.budget is None:
+        raise RematError("remat plan: give --budget (a fraction of the peak without checkpointing such as 0.5, "
+                         "or bytes such as 6GiB), or a hand-made --strategy.")
+    if args.budget is not None:
+        parse_budget(args.budget, 1)  # a typo fails now, not after profiling
+
+
+def plan_data(plan: Any) -> dict[str, Any]:
+    """The plan exactly as ``Plan.to_json`` writes it (so ``--json`` output loads with ``Plan.from_json``)."""
+    return json.loads(plan.to_json())
+
+
+def _plan_table(plan: Any, prof: Any) -> Table:
+    by_name = {b.name: b for b in prof.blocks}
+    unit, scale = _time_unit(prof.step_time_s)
+    table = _table(f"{plan.strategy} plan for {plan.model}", list(plan.assignment),
+                   ("policy", "kept for backward", f"extra {unit}"))
+    for name, policy in plan.assignment.items():
+        b = by_name[name]
+        table.add_row(escape(name), policy, human_bytes(b.saved_bytes.get(policy, 0)),
+                      _num(b.extra_time_s.get(policy, 0.0) * scale))
+    return table
+
+
+def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
+    _check_plan_args(args)
+    loaded = load(args, ui)
+    prof = run_profile(args, ui, loaded)
+    chosen = remat.plan(prof, args.budget, strategy=args.strategy)
+    if args.out:
+        Path(args.out).write_text(chosen.to_json())
+    if ui.json:
+        ui.emit(plan_data(chosen))
+    else:
+        ui.show(_plan_table(chosen, prof))
+        ui.say(chosen.summary())
+        ui.say(f"Lowest peak any plan reaches: {human_bytes(chosen.min_peak_bytes)}.")
+    if args.out:
+        ui.say(f"Wrote the plan to {args.out}; apply it with remat.apply(model, remat.Plan.from_json(text)).")
+    return 0
+
+
+# -- doctor -------------------------------------------------------------------------------------
+
+
+def _apply_plan_file(loaded: Loaded, path: str) -> None:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise RematError(f"remat doctor: cannot read --plan {path!r}: {exc.strerror}.") from None
+    remat.apply(loaded.model, remat.Plan.from_json(text))
+
+
+def doctor_data(report: Any) -> dict[str, Any]:
+    """The report as ``DoctorReport.to_dict`` gives it."""
+    return report.to_dict()
+
+
+def _sites_table(report: Any) -> Table:
+    table = Table(title="checkpointing found in one training step", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    table.add_column("site", overflow="fold")  # a path has no spaces to wrap at; show all of it
+    for col in ("checkpoints", "api", "calls", "implementation", "RNG preserved"):
+        table.add_column(col)
+    for c in report.checkpoints:
+        table.add_row(escape(c.site), escape(c.target), escape(c.api), str(c.calls),
+                      "reentrant" if c.reentrant else "non-reentrant", "yes" if c.preserve_rng_state else "NO")
+    return table
+
+
+def _render_finding(ui: Ui, f: Any) -> None:
+    colour = "red" if f.severity == "error" else "yellow"
+    where = f" ({', '.join(f.modules)})" if f.modules else ""
+    ui.out.print(f"[bold {colour}]{f.severity.upper()}[/] [bold]{escape(f.code)}[/]{escape(where)}")
+    lines = [Text(f.message), Text.assemble(("fix: ", "bold"), f.fix)]
+    if f.sites:
+        lines.append(Text(f"at: {', '.join(f.sites)}"))
+    for line in lines:  # indented as a block, so wrapped lines stay under their finding
+        ui.out.print(Padding(line, (0, 0, 0, 2)))
+
+
+def _render_doctor(ui: Ui, report: Any, label: str) -> None:
+    if not report.checkpoints:
+        ui.say(f"{label}: no checkpointing found in a training step, so nothing to diagnose "
+               f"(loss {report.loss_reference:.4f}).")
+        return
+    ui.show(_sites_table(report))
+    for f in report.findings:
+        _render_finding(ui, f)
+    ref, ck = report.reference, report.checkpointed
+    if ref is not None and ck is not None:
+        ui.say(f"Measured: without checkpointing peak {human_bytes(ref.peak_bytes)}, step {_ms(ref.step_time_s)} ms; "
+               f"as written peak {human_bytes(ck.peak_bytes)}, step {_ms(ck.step_time_s)} ms.")
+    errors, warnings = len(report.errors), len(report.findings) - len(report.errors)
+    if report.ok:
+        ui.say(f"{label}: ok: checkpointing trains exactly like the model without it (loss "
+               f"{report.loss_checkpointed:.4f} vs {report.loss_reference:.4f}).")
+    else:
+        ui.say(f"{label}: {errors} error(s), {warnings} warning(s).")
+
+
+def cmd_doctor(args: argparse.Namespace, ui: Ui) -> int:
+    """Exit status 1 when a finding is an error (training differs), 0 otherwise (warnings shown)."""
+    loaded = load(args, ui)
+    if args.plan:
+        _apply_plan_file(loaded, args.plan)
+    with ui.status(f"running {args.model} with and without its checkpointing ..."):
+        report = remat.doctor(loaded.model, loaded.inputs, loaded.loss_fn, measure_cost=not args.no_measure,
+                              repeat=args.repeat)
+    if ui.json:
+        ui.emit(doctor_data(report))
+    else:
+        _render_doctor(ui, report, args.model)
+    return 1 if report.errors else 0

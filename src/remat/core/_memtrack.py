@@ -1,0 +1,190 @@
+"""Live tensor-storage accounting on any device, from inside the dispatcher.
+
+NOTE [Why a storage tracker and not RSS or the profiler]
+Process RSS rises with checkpointing on CPU (allocator caching) and the
+profiler's "CPU Mem" columns sum allocations rather than give a peak
+(measurements.md, point 7). Every tensor an op creates owns or shares an
+``UntypedStorage``; counting each storage once, from the op that created it until
+its Python object is finalised, gives the bytes of tensor data alive after every
+op. This is the same accounting as ``torch.distributed._tools.mem_tracker``.
+Storages alive before tracking started (parameters, buffers, inputs) are
+"resting" and are counted once, separately, by the caller.
+
+NOTE [Sharded parameters: subclasses and resized storages]
+Under FSDP2 a parameter is a DTensor, a wrapper whose own storage is a stand-in
+of the global size; its data is the local shard, so storages are taken from the
+plain tensors inside wrapper subclasses. FSDP2 also frees and re-allocates the
+all-gathered parameters with ``UntypedStorage.resize_``, which the dispatcher
+never sees; while tracking, that method is wrapped so that the live bytes follow
+it (as ``torch.distributed._tools.mem_tracker`` does).
+
+NOTE [Resting storages nobody listed]
+Some storages live across steps without being parameters, buffers or inputs:
+DDP's gradient buckets, allocated when DDP is built and written by its reducer
+in every backward. A storage whose first appearance is as the written argument of
+an in-place or ``out=`` op, while it was neither created under tracking nor
+known, existed before the step: it is counted in ``discovered`` (resting, for the
+whole step), not in ``current``. A storage first seen otherwise (a view of a
+buffer that a collective allocated without dispatch, say) is counted from then
+on, as before.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from remat.core._region import _written_tensors
+
+T = TypeVar("T")
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s data: ``t`` itself, or the inner tensors of a
+    wrapper subclass (a DTensor's local shard); see NOTE [Sharded parameters]."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, n) for n in names)
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    return [p.untyped_storage() for p in plain_tensors(t)]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements on this process (the local shard of a DTensor)."""
+    return sum(p.numel() * p.element_size() for p in plain_tensors(t))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        for st in storages(t):
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts bytes of storages created while active, until they are freed.
+
+    ``current``/``peak`` are bytes above the storages in ``known`` (which are
+    never counted). ``on_op(func, args, kwargs, out, seconds)`` is called
+    after every op with its wall time, for callers that build a timeline.
+    """
+
+    def __init__(
+        self,
+        known: Iterable[torch.Tensor] = (),
+        on_op: Callable[[Any, tuple, dict, Any, float], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.known = {st._cdata for t in known for st in storages(t)}
+        self.live: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+        self.discovered = 0
+        """Bytes of unlisted storages that existed before tracking (NOTE [Resting storages nobody listed])."""
+        self.on_op = on_op
+
+    def _freed(self, key: int, _ref: weakref.ref) -> None:
+        nbytes = self.live.pop(key, 0)
+        self._refs.pop(key, None)
+        self.current -= nbytes
+
+    def _add(self, t: torch.Tensor) -> None:
+        for st in storages(t):
+            self._add_storage(st)
+
+    def _add_storage(self, st: torch.UntypedStorage) -> None:
+        key = st._cdata
+        if key in self.known:
+            return
+        nbytes = st.nbytes()
+        old = self.live.get(key)
+        if old is None:
+            self.live[key] = nbytes
+            self._refs[key] = weakref.ref(st, lambda r, k=key: self._freed(k, r))
+            self.current += nbytes
+        elif old != nbytes:  # resized in place (resize_, out= ops)
+            self.live[key] = nbytes
+            self.current += nbytes - old
+
+    def _discover(self, func: Any, args: tuple, kwargs: dict) -> None:
+        if not getattr(getattr(func, "_schema", None), "is_mutable", False):
+            return
+        for t in _written_tensors(func, args, kwargs):
+            for st in storages(t):
+                if st._cdata not in self.live and st._cdata not in self.known:
+                    self.known.add(st._cdata)
+                    self.discovered += st.nbytes()
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        if st._cdata in self.live or st.nbytes() > 0:
+            self._add_storage(st)
+            self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> StorageTracker:
+        original = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = original(st, size)
+            self._resized(st)
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_  # see NOTE [Sharded parameters]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._original_resize
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        self._discover(func, args, kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        if self.current > self.peak:
+            self.peak = self.current
+        if self.on_op is not None:
+            self.on_op(func, args, kwargs, out, seconds)
+        return out
+
+
+def allocator_peak(fn: Callable[[], T]) -> tuple[int, T]:
+    """Most bytes the CPU allocator had handed out at once while ``fn()`` ran, above the start, and what
+    ``fn`` returned.
+
+    For code the dispatcher never sees, such as kernels generated by
+    ``torch.compile``: it sums the allocator's own allocation and free reports
+    (the profiler's memory events) in order. On eager code it agrees with
+    ``StorageTracker`` to within a few bytes per step (the allocator also sees
+    small scratch buffers that no tensor owns).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak, result

@@ -1,0 +1,42 @@
+"""What checkpointing a block adds to the step time, on real tensors.
+
+NOTE [The time model]
+A block's extra time under a policy has two parts, both measured in the
+profile's own interleaved timed steps.
+
+* Recomputation. The profiler times every recomputation directly (an observer
+  in ``remat.core._region`` reports the seconds between entering and leaving it), so
+  the cost of rerunning a block, with selective checkpointing's cache lookups and
+  torch's early stop, is a measured median, not a model.
+* A slower forward. Under a policy the forward itself costs more: the
+  checkpoint call, and for selective checkpointing torch's caching dispatch
+  mode, which sees every op (tens of microseconds per op on CPU, more on large
+  convolutions than on tiny ops, so it is not calibrated on tiny ops). The
+  forward times of all blocks are pooled into one slowdown per policy
+  (sum of per-block medians under the policy over the sum without
+  checkpointing), and each block is charged that fraction of its own forward.
+  Pooling keeps per-block noise out; remat's copy-on-write mode runs only on a
+  callable's first call (NOTE [Watching only when needed]), so it is not in it.
+
+Differences of whole-step times are not used: on a shared CPU two steps differ
+by 10-15% run to run, more than most of the costs being measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def forward_slowdown(fwd_s: Mapping[str, float]) -> dict[str, float]:
+    """Per policy: fractional extra forward time, from the summed block forward times per policy."""
+    base = fwd_s.get("keep", 0.0)
+    if base <= 0:
+        return {p: 0.0 for p in fwd_s}
+    return {p: 0.0 if p == "keep" else max(0.0, t / base - 1.0) for p, t in fwd_s.items()}
+
+
+def extra_time(policy: str, *, recompute_s: float, fwd_s: float, slowdown: float) -> float:
+    """Extra step time of one block under ``policy``: its measured recompute plus its slower forward."""
+    if policy == "keep":
+        return 0.0
+    return recompute_s + slowdown * fwd_s

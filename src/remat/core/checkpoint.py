@@ -1,0 +1,301 @@
+"""``remat.checkpoint``: activation checkpointing that cannot silently freeze weights.
+
+NOTE [Why a wrapper around torch's non-reentrant checkpoint]
+The seed bug (a block on raw input trains nothing) comes from the reentrant
+implementation, which only builds a graph when an *input* requires grad. The
+non-reentrant implementation records the graph normally and only swaps saved
+tensors for recompute handles, so parameters always get gradients; remat always
+uses it. On top, remat adds what torch 2.13 still gets wrong (see
+``remat.core._region``): buffers updated once per step and in-place ops on inputs.
+
+The function's inputs are handed to torch inside an opaque holder, not as tensor
+arguments: torch would keep them with a version check and refuse any in-place
+op the function itself performs on them. The region keeps them instead, with its
+own check against modification after the call. One empty tensor per device is
+passed so that torch still stashes and restores the right device RNG streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _StopRecomputationError as _StopRecomputation,
+    checkpoint as _torch_checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
+from remat.core._rng import ReplayContext, RngLedger
+from remat.errors import RematError
+
+__all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Policies a block can have: keep everything, selective, or recompute everything.
+POLICIES = ("keep", "selective", "full")
+
+_aten = torch.ops.aten
+#: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
+#: On CPU SDPA dispatches to the ``_for_cpu`` flash kernel (see measurements.md).
+SAVE_OPS = frozenset(
+    op
+    for op in (
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten.convolution.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
+    )
+    if op is not None
+)
+
+
+def _save_compute_intensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_listed(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _policy_function(policy: Any) -> Callable[..., Any] | None:
+    """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
+    if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
+        return None
+    if isinstance(policy, str) and policy == "selective":
+        return _save_compute_intensive
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
+        if odd:
+            raise RematError(
+                f"remat.checkpoint: a policy list holds aten op overloads to save, got {odd[0]!r} "
+                f"({type(odd[0]).__name__}); name an overload, e.g. torch.ops.aten.mm.default."
+            )
+        return functools.partial(_save_listed, frozenset(policy))
+    if callable(policy) and not isinstance(policy, str):
+        return policy
+    raise RematError(
+        f"remat.checkpoint: unknown policy {policy!r}; use 'full', 'selective', 'keep', a list of aten ops "
+        "to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
+    )
+
+
+def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool) -> tuple[Any, Any]:
+    # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
+    ledger = RngLedger(policy_fn)
+    forward, recompute = create_selective_checkpoint_contexts(ledger.decide)
+    return forward, Stacked(recompute, ReplayContext(ledger)) if replay_rng else recompute
+
+
+def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above.
+    leaves, _ = tree_flatten((args, kwargs))
+    devices = {t.device: None for t in leaves if isinstance(t, torch.Tensor)}
+    return [torch.empty(0, device=d) for d in devices]
+
+
+#: What each callable's first forward wrote, per training flag (see remat.core._region).
+_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
+    """(weakly held owner, key within it) naming ``fn`` across calls; None when it has no stable identity."""
+    if isinstance(fn, functools.partial):
+        return None  # rebuilt on every call (e.g. by Hugging Face layers)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and hasattr(fn, "__func__"):  # a bound method: a new object on every access
+        return owner, (fn.__func__, getattr(owner, "training", None))
+    return fn, (None, getattr(fn, "training", None))
+
+
+def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | None], None]]:
+    key = _memo_key(fn)
+    try:
+        table = _LEARNED.get(key[0]) if key is not None else None
+    except TypeError:  # not weakly referenceable or not hashable
+        key = table = None
+    if key is None:
+        return None, lambda learned: None
+
+    def remember(learned: Learned | None) -> None:
+        _LEARNED.setdefault(key[0], {})[key[1]] = learned
+
+    return (table or {}).get(key[1]), remember
+
+
+# NOTE [Under torch.compile]
+# dynamo cannot trace the region (a dispatch mode, saved-tensor hooks, a holder
+# object) through torch's checkpoint, and fails with an internal error. Disabled
+# for dynamo, a checkpointed call is a graph break: it runs eagerly with every
+# guarantee above, and the code around it is still compiled. The disabled
+# wrapper is made on first use, because ``torch.compiler.disable`` imports
+# dynamo (a second at import time); torch's own checkpoint imports it on its
+# first call anyway.
+_uncompiled: Callable[..., Any] | None = None
+
+
+def _run_uncompiled(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
+    global _uncompiled
+    if _uncompiled is None:
+        # Looked up at each call, not bound now: the doctor replaces _run_checkpointed while it runs.
+        _uncompiled = torch.compiler.disable(
+            lambda *a: _run_checkpointed(*a), reason="remat.checkpoint runs eagerly under torch.compile"
+        )
+    return _uncompiled(fn, policy, preserve_rng_state, args, kwargs)
+
+
+def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
+    learned, remember = _learned_memo(fn)
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    region = Region(args, kwargs, learned, owner if isinstance(owner, nn.Module) else None)
+    policy_fn = _policy_function(policy)
+    phase = {"forward": True}
+
+    def context_fn() -> tuple[Any, Any]:
+        if policy_fn is None:
+            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+        else:
+            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state)
+        return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
+
+    def run(_holder: Region, *_markers: torch.Tensor) -> Any:
+        if phase["forward"]:
+            phase["forward"] = False
+            return fn(*region.args, **region.kwargs)
+        rargs, rkwargs = region.recompute_inputs()
+        try:
+            return fn(*rargs, **rkwargs)
+        except (_StopRecomputation, RematError):
+            raise  # torch's early stop, or our own message
+        except Exception as exc:
+            raise RematError(
+                f"remat.checkpoint: {getattr(fn, '__qualname__', type(fn).__name__)} failed when rerun in backward "
+                f"({type(exc).__name__}: {exc}). The function must compute the same thing again: a forward side "
+                "effect (a Hugging Face KV cache: set model.config.use_cache=False; a counter or cache of your "
+                "own: guard it with `if not remat.is_recomputing()`) or data-dependent control flow changed it."
+            ) from exc
+
+    return _torch_checkpoint(
+        run,
+        region,
+        *_device_markers(args, kwargs),
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+    )
+
+
+def checkpoint(
+    fn: Callable | None = None,
+    *args: Any,
+    policy: Any = "full",
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint`` that is always
+    non-reentrant and adds these guarantees: parameters used inside get gradients
+    whatever the inputs' ``requires_grad``; gradients equal the un-checkpointed
+    run's (RNG restored for dropout); module buffers such as BatchNorm running
+    statistics change once per step; in-place ops on the inputs work.
+
+    Args:
+        fn: the function or module to run. Called without ``fn``,
+            ``remat.checkpoint(policy=...)`` returns a decorator.
+        policy: ``"full"`` recomputes everything; ``"selective"`` keeps the
+            outputs of matmuls, convolutions and attention and recomputes the
+            rest; a list of aten ops to keep, or a torch selective-checkpoint
+            policy function. Whatever it keeps, random streams are unchanged: a
+            kept op that draws random numbers (CUDA attention with dropout) still
+            advances the generator in recompute (NOTE in ``remat.core._rng``).
+        preserve_rng_state: restore the RNG streams in recompute so dropout
+            draws the same mask. Only turn off for functions that draw nothing.
+
+    ``policy`` and ``preserve_rng_state`` are remat's; every other keyword goes to ``fn``.
+    """
+    if fn is None:
+        if args or kwargs:
+            raise RematError(
+                "remat.checkpoint: arguments were given but no function; call "
+                "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
+            )
+        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state)
+    if not callable(fn):
+        raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
+    _policy_function(policy)  # validate before running anything
+    if policy == "keep" or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs)
+
+
+def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool) -> F:
+    @functools.wraps(fn)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(fn, *args, policy=policy, preserve_rng_state=preserve_rng_state, **kwargs)
+
+    return checkpointed  # type: ignore[return-value]
+
+
+class _CheckpointedForward:
+    """Instance-level ``forward`` that checkpoints the class's forward.
+
+    An instance attribute, not a wrapper module: ``state_dict`` keys and
+    parameter names stay exactly as they were (torch's ``checkpoint_wrapper``
+    inserts ``_checkpoint_wrapped_module``).
+    """
+
+    def __init__(self, module: nn.Module, policy: str, preserve_rng_state: bool, previous: Any) -> None:
+        self.inner = previous if previous is not None else type(module).forward.__get__(module)
+        self.previous = previous
+        self.policy = policy
+        self.preserve_rng_state = preserve_rng_state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(
+            self.inner, *args, policy=self.policy, preserve_rng_state=self.preserve_rng_state, **kwargs
+        )
+
+
+def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = True) -> nn.Module:
+    """Checkpoint ``module``'s forward in place (names and ``state_dict`` keys unchanged); returns it."""
+    if not isinstance(module, nn.Module):
+        raise RematError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}.")
+    if policy not in POLICIES:
+        raise RematError(f"remat.wrap: policy must be one of {POLICIES}, got {policy!r}.")
+    unwrap(module)
+    if policy != "keep":
+        previous = module.__dict__.get("forward")
+        module.forward = _CheckpointedForward(module, policy, preserve_rng_state, previous)
+    return module
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Undo :func:`wrap` on ``module`` (no-op when it is not wrapped); returns it."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        if current.previous is None:
+            del module.forward
+        else:
+            module.forward = current.previous
+    return module
+
+
+def is_wrapped(module: nn.Module) -> str | None:
+    """The policy ``module`` is wrapped with, or None."""
+    current = module.__dict__.get("forward")
+    return current.policy if isinstance(current, _CheckpointedForward) else None

@@ -1,0 +1,173 @@
+"""``remat.measure``: the peak memory, step time and gradient health of a training step.
+
+NOTE [What "peak" means, everywhere in remat]
+The most bytes of tensor storage alive at once during one training step
+(forward, loss, backward, optimizer step when given), counting parameters,
+buffers, inputs, gradients, activations, temporaries and optimizer state. On
+CUDA it comes from the caching allocator's own statistics after a reset and a
+synchronisation; on other devices from ``remat.core._memtrack.StorageTracker``.
+Never nvidia-smi (it shows the allocator's reserved pool plus the CUDA
+context), never RSS.
+
+Step time is the median of ``repeat`` synchronised steps after ``warmup``
+steps. The model is restored afterwards: parameters, buffers, gradients,
+``training`` flags, RNG streams, and the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
+from remat.core._state import capture
+from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
+from remat.errors import RematError
+
+__all__ = ["Measurement", "measure"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one measurement of a training step found."""
+
+    peak_bytes: int
+    """Most bytes of tensor storage alive at once during the step, resting bytes included."""
+    resting_bytes: int
+    """Bytes alive before the step: parameters, buffers, inputs (and optimizer state)."""
+    step_time_s: float
+    """Median wall time of one synchronised step after warm-up."""
+    step_times_s: tuple[float, ...]
+    """Every timed step, in order."""
+    missing_grads: tuple[str, ...]
+    """Trainable parameters that received no gradient."""
+    zero_grads: tuple[str, ...]
+    """Trainable parameters whose gradient is all zeros."""
+    loss: float
+    """Loss of the measured step."""
+    device: str
+    """Device the step ran on."""
+
+    @property
+    def grads_ok(self) -> bool:
+        """True when every trainable parameter received a gradient."""
+        return not self.missing_grads
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Peak above the resting bytes: what the step itself adds at its worst moment."""
+        return self.peak_bytes - self.resting_bytes
+
+
+def _device_of(model: nn.Module, inputs: Any) -> torch.device:
+    for t in [*model.parameters(), *input_tensors(inputs)]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resting_tensors(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs)]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return tensors
+
+
+def measure_peak(
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
+    *, allocator: bool = False,
+) -> tuple[int, int, float]:
+    """(peak bytes, resting bytes, loss) of one step; gradients are left on the model.
+
+    ``allocator``: off CUDA, count the step from the CPU allocator's reports rather than
+    from the dispatcher, for kernels it never sees (``torch.compile``'s).
+    """
+    device = _device_of(model, inputs)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        resting = torch.cuda.memory_allocated(device)
+        loss = training_step(model, inputs, loss_fn, optimizer)
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device), resting, float(loss)
+    resting_tensors = _resting_tensors(model, inputs, optimizer)
+    if allocator:
+        step_peak, loss = allocator_peak(lambda: training_step(model, inputs, loss_fn, optimizer))
+        resting = storage_bytes(resting_tensors)
+        return resting + step_peak, resting, float(loss)
+    tracker = StorageTracker(known=resting_tensors)
+    with tracker:
+        loss = training_step(model, inputs, loss_fn, optimizer)
+    # ``discovered``: resting storages that are not the model's, such as DDP's gradient buckets.
+    resting = storage_bytes(resting_tensors) + tracker.discovered
+    return resting + tracker.peak, resting, float(loss)
+
+
+def measure(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    warmup: int = 1,
+    repeat: int = 3,
+) -> Measurement:
+    """Measure one training step of ``model`` on ``inputs`` honestly, then restore everything.
+
+    Args:
+        model: the model, as the user trains it (checkpointed or not).
+        inputs: what the model is called with: a tensor, a tuple or a dict.
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` or the
+            sum of the floating-point outputs.
+        optimizer: when given, the step includes ``optimizer.step()`` and the
+            peak includes its state.
+        warmup: untimed steps first (lazy initialisation, allocator warm-up).
+        repeat: timed steps; the reported time is their median.
+    """
+    if warmup < 0 or repeat < 1:
+        raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
+    device = _device_of(model, inputs)
+    state = capture(model)
+    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    try:
+        times = []
+        for i in range(warmup + repeat):
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            start = time.perf_counter()
+            training_step(model, inputs, loss_fn, optimizer)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        peak, resting, loss = measure_peak(model, inputs, loss_fn, optimizer)
+        params = trainable_parameters(model)
+        missing = tuple(n for n, p in params.items() if p.grad is None)
+        zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
+    finally:
+        state.restore()
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_state)
+    return Measurement(
+        peak_bytes=peak,
+        resting_bytes=resting,
+        step_time_s=statistics.median(times),
+        step_times_s=tuple(times),
+        missing_grads=missing,
+        zero_grads=zero,
+        loss=loss,
+        device=str(device),
+    )

@@ -1,0 +1,417 @@
+"""The doctor's view of every checkpointed call: run it as written, observe it, or run it plainly.
+
+NOTE [Where the doctor intercepts checkpointing]
+Users reach torch's checkpoint through many doors: ``torch.utils.checkpoint.checkpoint``
+called as an attribute or imported by name, ``checkpoint_sequential``, torch's
+``checkpoint_wrapper`` and Hugging Face layers (both keep their own reference to the
+function), and ``remat.checkpoint``/``remat.wrap`` (which call torch's non-reentrant
+checkpoint). Swapping the public function would miss every kept reference. All these
+doors end in one of two module globals that torch's ``checkpoint`` looks up at call
+time: ``CheckpointFunction`` (reentrant) and ``_checkpoint_without_reentrant_generator``
+(non-reentrant; the composable ``checkpoint(module)`` API imported it by name, so its
+reference is swapped too). Swapping those two sees every call and can turn any one of
+them into a plain call of the function: the all-plain run is the doctor's reference.
+remat's ``_run_checkpointed`` is swapped too, only to learn which user function a remat
+region runs (torch sees remat's internal closure).
+
+NOTE [Call keys]
+A call is known by (call site, target, occurrence). The site is the first frame outside
+torch and remat's checkpoint machinery; the target is the module's qualified name (a
+module, its bound method, or a partial of either) or the function's qualified name; the
+occurrence counts earlier calls with the same site and target since the model's forward
+started, so loop iterations and ``checkpoint_sequential`` segments are told apart. Keys
+are the same from one step to the next, which lets the doctor turn off one region at a
+time. Calls made while backward runs are recomputations of an enclosing region: they
+always run as written and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# The module (``remat.checkpoint`` as an attribute is the function): the doctor swaps its
+# ``_run_checkpointed`` and knows remat's frames by its file.
+from remat.core import checkpoint as remat_checkpoint
+from remat.core._rng import SAVE_DECISIONS, draws_random
+from remat.errors import RematError
+
+CallKey = tuple[str, str, int]
+ROOT = "<root>"
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MACHINERY = frozenset({functools.__file__, contextlib.__file__, __file__})
+_REMAT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# remat's own step runners: reaching one means no user code called the checkpoint (a
+# remat.wrap'd module inside torch's nn.Sequential, say), so there is no call site to show.
+_RUNNERS = frozenset(os.path.join(_REMAT_DIR, wing, f)
+                     for wing, f in (("core", "_step.py"), ("core", "measure.py"), ("diagnosis", "doctor.py")))
+_UNSET_WARNING = "use_reentrant parameter should be passed explicitly"
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+_GENERATOR = "_checkpoint_without_reentrant_generator"
+
+
+def never(key: CallKey) -> bool:
+    return False
+
+
+def always(key: CallKey) -> bool:
+    return True
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class CheckpointCall:
+    """One checkpointed call in the forward of the observed step, filled in while it runs."""
+
+    key: CallKey
+    """(site, target, occurrence); see NOTE [Call keys]."""
+    api: str
+    """How the user checkpointed: ``torch.utils.checkpoint.checkpoint``, ``remat.wrap``, ..."""
+    reentrant: bool
+    """True for torch's reentrant implementation."""
+    use_reentrant_unset: bool
+    """True when the caller left ``use_reentrant`` unset (torch 2.13 then means True)."""
+    preserve_rng_state: bool
+    """Whether recomputation restores the RNG state of the forward."""
+    inputs_require_grad: bool
+    """Whether any tensor input requires grad."""
+    depth: int
+    """How many checkpointed calls enclose this one (0: top level)."""
+    module_depth: int
+    """Depth of the module call stack when the call began."""
+    is_module: bool
+    """True when the target is a module of the model (else a function's qualified name)."""
+    output_requires_grad: bool | None = None
+    """Whether any output tensor requires grad (reentrant calls only)."""
+    top_modules: list[str] = field(default_factory=list)
+    """Modules called directly inside the region."""
+    modules: set[str] = field(default_factory=set)
+    """Every module called inside the region in forward."""
+    random_modules: set[str] = field(default_factory=set)
+    """Modules (or ops, outside any module) that drew random numbers inside the region."""
+    random_ops: int = 0
+    """Random ops run inside the region in forward."""
+    saved_random_ops: list[str] = field(default_factory=list)
+    """Random ops whose outputs torch's selective checkpointing keeps (recompute then skips their draw)."""
+
+    @property
+    def site(self) -> str:
+        return self.key[0]
+
+    @property
+    def target(self) -> str:
+        return self.key[1]
+
+    @property
+    def module_names(self) -> tuple[str, ...]:
+        """The modules this call checkpoints: the target, or the modules a function called directly."""
+        return (self.target,) if self.is_module or not self.top_modules else tuple(dict.fromkeys(self.top_modules))
+
+    @property
+    def label(self) -> str:
+        """The target for people: a module name, or the function with the modules it ran."""
+        if self.is_module or not self.top_modules:
+            return self.target
+        names = self.module_names
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return shown if self.api.endswith("checkpoint_sequential") else f"{self.target} (runs {shown})"
+
+
+def _short(path: str) -> str:
+    cwd = os.getcwd() + os.sep
+    return path[len(cwd):] if path.startswith(cwd) else path
+
+
+def _call_site() -> tuple[str, str]:
+    """(``file:line`` of the user's frame or "" when there is none, the checkpoint API it went through)."""
+    api = "torch.utils.checkpoint.checkpoint"
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename
+        if path.startswith(_TORCH_DIR):
+            if code.co_name == "checkpoint_sequential":
+                api = "torch.utils.checkpoint.checkpoint_sequential"
+            elif path.endswith("checkpoint_wrapper.py"):
+                api = "torch checkpoint_wrapper"
+            elif path.endswith("checkpoint_activation.py"):
+                api = "torch.distributed._composable.checkpoint"
+        elif path == remat_checkpoint.__file__:
+            api = "remat.wrap" if code.co_qualname.startswith("_CheckpointedForward") else "remat.checkpoint"
+        elif path in _RUNNERS:
+            return "", api
+        elif path not in _MACHINERY:
+            # A Hugging Face layer's __call__ is on the stack of every call of its forward; it is
+            # the API only when it called torch's checkpoint itself (remat.wrap was not seen first).
+            if "transformers" in path.split(os.sep) and api == "torch.utils.checkpoint.checkpoint":
+                api = "Hugging Face gradient checkpointing"
+            return f"{_short(path)}:{frame.f_lineno}", api
+        frame = frame.f_back
+    return "<unknown>", api
+
+
+def _requires_grad(*trees: Any) -> bool:
+    leaves, _ = tree_flatten(trees)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+class Interceptor:
+    """Decides for every checkpointed call whether it runs as written or plainly, and records it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names = {id(m): (n or ROOT) for n, m in model.named_modules()}
+        self.plain: Callable[[CallKey], bool] = never
+        self.recording = False
+        self.calls: list[CheckpointCall] = []
+        self.open: list[CheckpointCall] = []
+        self.module_stack: list[str | None] = []
+        self.forward_calls: Counter[str] = Counter()
+        self.backward_calls: Counter[str] = Counter()
+        self.completed: Counter[str] = Counter()
+        self._occurrences: Counter[tuple[str, str]] = Counter()
+        self._unset_pending = False
+        self._remat: tuple[Callable, tuple, dict] | None = None
+
+    def start(self, plain: Callable[[CallKey], bool], *, recording: bool) -> None:
+        """Begin a step: which calls run plainly, and whether to record what happens."""
+        self.plain, self.recording = plain, recording
+        self.calls, self.open, self.module_stack = [], [], []
+        self.forward_calls, self.backward_calls, self.completed = Counter(), Counter(), Counter()
+        self._occurrences.clear()
+
+    # -- naming ------------------------------------------------------------------------------
+    def target(self, fn: Any) -> tuple[str, bool]:
+        """(the module's qualified name or the function's, whether it is a module of the model)."""
+        module = None
+        while isinstance(fn, functools.partial):
+            # Hugging Face layers checkpoint partial(forward, self, **kwargs).
+            if fn.args and isinstance(fn.args[0], nn.Module):
+                module = fn.args[0]
+                break
+            fn = fn.func
+        if module is None:
+            owner = getattr(fn, "__self__", None)
+            module = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
+        if module is not None and id(module) in self.names:
+            return self.names[id(module)], True
+        if module is not None:
+            return type(module).__name__, False
+        return getattr(fn, "__qualname__", type(fn).__name__), False
+
+    # -- one call ----------------------------------------------------------------------------
+    def begin(
+        self, fn: Any, preserve: bool, inputs: tuple, *, reentrant: bool, unset: bool
+    ) -> tuple[CheckpointCall | None, bool]:
+        """(the record of this call or None, whether to run it plainly)."""
+        if in_backward():
+            return None, False
+        site, api = _call_site()
+        target, is_module = self.target(fn)
+        occurrence = self._occurrences[(site, target)]
+        self._occurrences[(site, target)] += 1
+        key = (site, target, occurrence)
+        if self.plain(key):
+            return None, True
+        if not self.recording:
+            return None, False
+        call = CheckpointCall(
+            key, api, reentrant, unset, bool(preserve), _requires_grad(inputs), len(self.open), len(self.module_stack),
+            is_module,
+        )
+        self.calls.append(call)
+        self.open.append(call)
+        return call, False
+
+    def end(self, call: CheckpointCall | None) -> None:
+        self.open = [c for c in self.open if c is not call]
+
+    # -- the doors ---------------------------------------------------------------------------
+    def reentrant_apply(self, real: Any, function: Callable, preserve: bool, *args: Any) -> Any:
+        unset, self._unset_pending = self._unset_pending, False
+        call, plain = self.begin(function, preserve, args, reentrant=True, unset=unset)
+        if plain:
+            return function(*args)
+        try:
+            out = real.apply(function, preserve, *args)
+        finally:
+            self.end(call)
+        if call is not None:
+            call.output_requires_grad = _requires_grad(out)
+        return out
+
+    def non_reentrant(
+        self, real: Callable, signature: inspect.Signature, fn: Any, *rest: Any, **kwargs: Any
+    ) -> Iterator[None]:
+        self._unset_pending = False
+        bound = signature.bind(fn, *rest, **kwargs)
+        bound.apply_defaults()
+        inputs = (bound.arguments.get("args", ()), bound.arguments.get("kwargs", {}))
+        if self._remat is not None:  # torch sees remat's closure; the user's function is this one
+            fn, *inputs = self._remat
+            self._remat = None
+        call, plain = self.begin(fn, bound.arguments["preserve_rng_state"], tuple(inputs), reentrant=False, unset=False)
+        if plain:
+            yield  # torch's checkpoint calls the function itself between the two steps
+            return
+        if call is not None and bound.arguments.get("context_fn", tuc.noop_context_fn) is not tuc.noop_context_fn:
+            bound.arguments["context_fn"] = functools.partial(_observed_contexts, bound.arguments["context_fn"], call)
+        try:
+            yield from real(*bound.args, **bound.kwargs)
+        finally:
+            self.end(call)
+
+    def remat_run(self, real: Callable, fn: Callable, policy: Any, preserve: bool, args: tuple, kwargs: dict) -> Any:
+        self._remat = (fn, args, kwargs)
+        try:
+            return real(fn, policy, preserve, args, kwargs)
+        finally:
+            self._remat = None
+
+    # -- module and warning hooks ------------------------------------------------------------
+    def on_root(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self._occurrences.clear()
+
+    def on_enter(self, module: nn.Module, args: Any) -> None:
+        name = self.names.get(id(module))
+        backward = in_backward()
+        if name is not None:
+            (self.backward_calls if backward else self.forward_calls)[name] += 1
+            for call in [] if backward else self.open:
+                call.modules.add(name)
+                if len(self.module_stack) == call.module_depth:
+                    call.top_modules.append(name)
+        self.module_stack.append(name)
+
+    def on_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+
+    def on_complete(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Not called when the forward raises, as torch's early-stopping recomputation does
+        # once it has what backward needs: then the module's own forward hooks do not run.
+        name = self.names.get(id(module))
+        if name is not None:
+            self.completed[name] += 1
+
+    def on_random_op(self, func: Any) -> None:
+        if not self.open or in_backward():
+            return
+        where = next((n for n in reversed(self.module_stack) if n is not None), None) or str(func)
+        for call in self.open:
+            call.random_modules.add(where)
+            call.random_ops += 1
+
+    def on_warning(self, message: Any, *rest: Any, **kwargs: Any) -> None:
+        # Every warning raised while the doctor runs the user's code is swallowed; the
+        # use_reentrant one becomes a risky-call finding for the call that follows it.
+        if _UNSET_WARNING in str(message):
+            self._unset_pending = True
+
+
+class _ReentrantDoor:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (only ``apply`` is used)."""
+
+    def __init__(self, icpt: Interceptor, real: Any) -> None:
+        self.icpt, self.real = icpt, real
+
+    def apply(self, function: Callable, preserve: bool, *args: Any) -> Any:
+        return self.icpt.reentrant_apply(self.real, function, preserve, *args)
+
+
+def _observed_contexts(context_fn: Callable[[], tuple[Any, Any]], call: CheckpointCall) -> tuple[Any, Any]:
+    # torch's selective checkpointing asks its policy about every op right after running
+    # it in forward; a random op it keeps is not rerun in recompute (NOTE in remat.core._rng).
+    # remat's own regions replay the generator instead, so only torch's modes are watched.
+    forward, recompute = context_fn()
+    policy = getattr(forward, "policy_fn", None)
+    if type(forward).__name__ == "_CachingTorchDispatchMode" and callable(policy):
+        def observed(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            decision = policy(ctx, func, *args, **kwargs)
+            if draws_random(func) and decision in SAVE_DECISIONS:
+                call.saved_random_ops.append(str(func))
+            return decision
+
+        forward.policy_fn = observed
+    return forward, recompute
+
+
+class _RandomOps(TorchDispatchMode):
+    """Reports every op that draws from an RNG (dropout's bernoulli_, rrelu, rand*)."""
+
+    def __init__(self, icpt: Interceptor) -> None:
+        super().__init__()
+        self.icpt = icpt
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if draws_random(func):
+            self.icpt.on_random_op(func)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def session(icpt: Interceptor) -> Iterator[None]:
+    """Swap the checkpoint doors (NOTE above) and silence warnings; everything is put back on exit."""
+    if isinstance(tuc.CheckpointFunction, _ReentrantDoor):
+        raise RematError("remat.doctor: another remat.doctor is already running in this process; run one at a time.")
+    real_gen = getattr(tuc, _GENERATOR)
+    door = functools.partial(icpt.non_reentrant, real_gen, inspect.signature(real_gen))
+    patches = [
+        (tuc, "CheckpointFunction", _ReentrantDoor(icpt, tuc.CheckpointFunction)),
+        (tuc, _GENERATOR, door),
+        (remat_checkpoint, "_run_checkpointed", functools.partial(icpt.remat_run, remat_checkpoint._run_checkpointed)),
+    ]
+    composable = sys.modules.get(_COMPOSABLE)
+    if composable is not None and getattr(composable, _GENERATOR, None) is real_gen:
+        patches.append((composable, _GENERATOR, door))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("always")
+        warnings.showwarning = icpt.on_warning
+        stack.callback(_unleak, set(sys.modules), {id(new): getattr(obj, name) for obj, name, new in patches})
+        for obj, name, new in patches:
+            stack.callback(setattr, obj, name, getattr(obj, name))
+            setattr(obj, name, new)
+        stack.callback(icpt.model.register_forward_pre_hook(icpt.on_root).remove)
+        yield
+
+
+def _unleak(modules_before: set[str], originals: dict[int, Any]) -> None:
+    # torch imports modules lazily on the first checkpoint call (torch._dynamo, the
+    # composable API, ...); one that imported a swapped name by value while the doctor
+    # ran would keep the doctor's door forever. Give those modules the original back.
+    for name in set(sys.modules) - modules_before:
+        namespace = getattr(sys.modules[name], "__dict__", {})
+        for attr, value in list(namespace.items()):
+            if id(value) in originals:
+                namespace[attr] = originals[id(value)]
+
+
+@contextlib.contextmanager
+def observing(icpt: Interceptor) -> Iterator[None]:
+    """Count module calls, track the module stack and random ops (the observed steps only)."""
+    with contextlib.ExitStack() as stack:
+        stack.callback(nn.modules.module.register_module_forward_pre_hook(icpt.on_enter).remove)
+        stack.callback(nn.modules.module.register_module_forward_hook(icpt.on_exit, always_call=True).remove)
+        stack.callback(nn.modules.module.register_module_forward_hook(icpt.on_complete).remove)
+        stack.enter_context(_RandomOps(icpt))
+        yield

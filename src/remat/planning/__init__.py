@@ -1,0 +1,2 @@
+"""The planning wing: ``remat.plan`` (``plan``; ``_solve``: the DP), ``remat.apply``/``auto``/``remove``
+(``apply``) and synthetic chains for tests and benchmarks (``_synthetic``)."""

@@ -1,0 +1,225 @@
+"""``remat.plan``: the fastest choice of policy per block whose predicted peak fits a budget."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from remat.errors import RematError
+from remat.planning._solve import chain_of, solve
+from remat.profiling._format import human_bytes, load_versioned
+from remat.profiling._types import Profile
+
+__all__ = ["Plan", "parse_budget", "plan"]
+
+PLAN_SCHEMA = 1
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_ACCEPTED = "bytes (int), a string with units ('6GiB', '500MB'), or a fraction 0 < f <= 1 of the baseline peak"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A policy per block, with what the profile predicts for it."""
+
+    assignment: dict[str, str]
+    """Block name -> ``keep`` / ``selective`` / ``full``, for every profiled block."""
+    predicted_peak_bytes: int
+    """Peak of a training step under this plan, from the profile's peak model."""
+    predicted_overhead: float
+    """Extra step time as a fraction of the un-checkpointed step (0.25 = 25% slower)."""
+    baseline_peak_bytes: int
+    """Predicted (= profiled) peak without checkpointing."""
+    min_peak_bytes: int
+    """Lowest peak any plan reaches on this profile."""
+    budget_bytes: int | None
+    """The budget the plan was made for (None for hand-made strategies)."""
+    strategy: str
+    """``optimal`` or the hand-made strategy it reproduces."""
+    model: str
+    """Class name of the profiled model."""
+
+    @property
+    def checkpointed(self) -> dict[str, str]:
+        """Only the blocks that are not kept."""
+        return {b: p for b, p in self.assignment.items() if p != "keep"}
+
+    def summary(self) -> str:
+        """One paragraph a user can read."""
+        counts = {p: sum(1 for v in self.assignment.values() if v == p) for p in ("keep", "selective", "full")}
+        budget = f" for a budget of {human_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
+        saved = 1 - self.predicted_peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else 0.0
+        text = (
+            f"{self.strategy} plan{budget} on {self.model}: {counts['full']} blocks full recompute, "
+            f"{counts['selective']} selective, {counts['keep']} kept. Predicted peak "
+            f"{human_bytes(self.predicted_peak_bytes)} ({saved:.0%} below {human_bytes(self.baseline_peak_bytes)} "
+            f"without checkpointing) at +{self.predicted_overhead:.0%} step time."
+        )
+        if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
+            text += (" No plan lowers this model's peak by more than 1%: the peak is set where "
+                     "recomputation rebuilds the same tensors (typically inside the first block's backward).")
+        return text
+
+    def to_json(self) -> str:
+        """Serialise, with a schema version."""
+        return json.dumps({"schema": PLAN_SCHEMA, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Load and validate what :meth:`to_json` wrote."""
+        data = load_versioned(text, what="remat.Plan.from_json", schema=PLAN_SCHEMA)
+        fields = set(cls.__dataclass_fields__)
+        if set(data) != fields:
+            raise RematError(f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}.")
+        bad = {b: p for b, p in data["assignment"].items() if p not in ("keep", "selective", "full")}
+        if bad:
+            raise RematError(f"remat.Plan.from_json: unknown policies {bad}; use keep, selective or full.")
+        return cls(**data)
+
+
+def parse_budget(budget: Any, baseline_bytes: int) -> int:
+    """Bytes for ``budget``: int bytes, ``"6GiB"``-style strings, or a fraction of ``baseline_bytes``."""
+    if isinstance(budget, bool) or budget is None:
+        raise RematError(f"remat.plan: budget={budget!r} is not a budget; give {_ACCEPTED}.")
+    if isinstance(budget, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise RematError(f"remat.plan: cannot read budget {budget!r}; give {_ACCEPTED}.")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if unit == "" and number <= 1:
+            return parse_budget(number, baseline_bytes)
+        return int(number * _UNITS[unit])
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return int(budget * baseline_bytes)
+    if isinstance(budget, int) and budget > 0:
+        return budget
+    raise RematError(f"remat.plan: budget={budget!r} is out of range; give {_ACCEPTED}.")
+
+
+def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
+    names = [b.name for b in profile.blocks]
+    if strategy == "none":
+        return {}
+    if strategy in ("all", "selective"):
+        policy = "full" if strategy == "all" else "selective"
+        return {n: policy for n in names}
+    if strategy.startswith("every:"):
+        try:
+            k = int(strategy.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k >= 1:
+            return {n: "full" for i, n in enumerate(names) if i % k == 0}
+    if strategy == "sqrt":
+        # torch's checkpoint_sequential keeps only segment boundaries; per block, the
+        # closest equivalent recomputes ceil(sqrt(n)) evenly spaced blocks fully.
+        k = max(1, round(len(names) / math.ceil(math.sqrt(len(names)))))
+        return {n: "full" for i, n in enumerate(names) if i % k == 0}
+    raise RematError(
+        f"remat.plan: unknown strategy {strategy!r}; use 'optimal', 'none', 'all', 'selective', 'sqrt' or 'every:K'."
+    )
+
+
+def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: int | None, minimum: int) -> Plan:
+    full = {b.name: assignment.get(b.name, "keep") for b in profile.blocks}
+    extra = profile.predict_time(full) - profile.step_time_s
+    return Plan(
+        assignment=full,
+        predicted_peak_bytes=profile.predict_peak(full),
+        predicted_overhead=extra / profile.step_time_s if profile.step_time_s > 0 else 0.0,
+        baseline_peak_bytes=profile.baseline_peak_bytes,
+        min_peak_bytes=minimum,
+        budget_bytes=budget,
+        strategy=strategy,
+        model=profile.model,
+    )
+
+
+def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
+    """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
+    assignment: dict[str, str] = {}
+    order = ["keep", "selective", "full"]
+    while profile.predict_peak(assignment) > budget:
+        current = profile.predict_peak(assignment)
+        best = None
+        for b in profile.blocks:
+            now = assignment.get(b.name, "keep")
+            for p in order[order.index(now) + 1:]:
+                if p not in profile.policies:
+                    continue
+                trial = {**assignment, b.name: p}
+                gain = current - profile.predict_peak(trial)
+                cost = b.extra_time_s[p] - b.extra_time_s[now] + 1e-9
+                if gain > 0 and (best is None or gain / cost > best[0]):
+                    best = (gain / cost, trial)
+        if best is None:
+            return None
+        assignment = best[1]
+    return assignment
+
+
+def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
+    """The lowest predicted peak and a plan that reaches it (cached on the profile: planning
+    several budgets on one profile solves for the minimum once)."""
+    cached = profile.__dict__.get("_remat_minimum")
+    if cached is None:
+        cached = profile.__dict__["_remat_minimum"] = _solve_minimum(profile)
+    return cached
+
+
+def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
+    chain = chain_of(profile)
+    names = [b.name for b in profile.blocks]
+    candidates = [{}] + [{n: p for n in names} for p in ("selective", "full") if p in profile.policies]
+    if chain is not None:
+        picks, _ = solve(chain, math.inf, minimise_peak=True)
+        candidates.append({b: chain.policies[j] for b, j in zip(chain.blocks, picks)})
+    return min(((profile.predict_peak(a), a) for a in candidates), key=lambda t: t[0])
+
+
+def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> Plan:
+    """The plan of least predicted extra time whose predicted peak fits ``budget``.
+
+    Args:
+        profile: from :func:`remat.profile`.
+        budget: bytes (int), a string with units (``"6GiB"``, ``"500MB"``), or a
+            fraction ``0 < f <= 1`` of the peak without checkpointing.
+        strategy: ``"optimal"`` (needs a budget), or a hand-made choice to compare
+            on the same footing: ``"none"``, ``"all"`` (full recompute everywhere),
+            ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.
+
+    For a chain of blocks the solver is a dynamic program that is exact up to a
+    rounding of live bytes to 1/32768 of their range, always on the safe
+    side (see ``remat.planning._solve``). Other structures use a greedy fallback.
+    """
+    if not isinstance(profile, Profile):
+        raise RematError(f"remat.plan: expected a remat.Profile (from remat.profile), got {type(profile).__name__}.")
+    minimum, lowest = _minimum(profile)
+    if strategy != "optimal":
+        return _make(profile, _strategy(profile, strategy), strategy,
+                     None if budget is None else parse_budget(budget, profile.baseline_peak_bytes), minimum)
+    if budget is None:
+        raise RematError("remat.plan: the optimal strategy needs a budget; give " + _ACCEPTED + ".")
+    baseline = profile.baseline_peak_bytes
+    limit = parse_budget(budget, baseline)
+    if limit < minimum:
+        raise RematError(
+            f"remat.plan: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the baseline) is "
+            f"below the lowest peak any plan reaches on this profile: {human_bytes(minimum)} ({minimum} bytes, "
+            f"{minimum / baseline:.3f} of the baseline {human_bytes(baseline)}). Raise the budget to at least "
+            "that, or lower the batch size / sequence length."
+        )
+    chain = chain_of(profile)
+    if chain is not None:
+        found = solve(chain, limit)
+        assignment = None if found is None else {b: chain.policies[j] for b, j in zip(chain.blocks, found[0])}
+    else:
+        assignment = _greedy(profile, limit)
+    if assignment is None:
+        # Rounding refuses budgets within a grid cell per block of the minimum; the
+        # lowest-peak plan fits them by definition.
+        assignment = lowest
+    return _make(profile, assignment, "optimal", limit, minimum)

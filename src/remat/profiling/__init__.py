@@ -1,0 +1,3 @@
+"""The profiling wing: ``remat.profile`` (``profile``), its data (``_types``: the peak
+model), the traced run (``_profile_run``, ``_trace``), the fake-tensor run (``_fake``,
+``targets``), block finding (``_blocks``) and plain-text formatting (``_format``)."""

@@ -1,0 +1,238 @@
+"""Running the steps a profile is built from: one traced step per policy for
+memory and FLOPs, then interleaved timed steps (A B C A B C ...) for time."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from remat.core._hf import cache_disabled
+from remat.core._memtrack import StorageTracker, storage_bytes, tensor_bytes
+from remat.core._state import capture
+from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
+from remat.core._timing import extra_time, forward_slowdown
+from remat.core.checkpoint import POLICIES, wrap
+from remat.errors import RematError
+from remat.profiling._trace import OpCost, Segment, SegmentRecorder
+from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
+
+
+class _Policies:
+    """Puts every block under one policy; restores the user's own forwards on exit."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
+        modules = dict(model.named_modules())
+        self.blocks = [modules[n] for n in names]
+        self.saved = [(m, m.__dict__.get("forward")) for m in self.blocks]
+
+    def set(self, policy: str) -> None:
+        self.restore()
+        if policy != "keep":
+            for m in self.blocks:
+                wrap(m, policy=policy)
+
+    def restore(self) -> None:
+        for m, forward in self.saved:
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = forward
+
+
+def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder) -> None:
+    model.zero_grad(set_to_none=True)
+    recorder.begin("fwd", None)
+    training_step(model, inputs, loss_fn, before_backward=lambda: recorder.begin("bwd", None))
+    recorder.finish()
+
+
+def _resting(model: nn.Module, inputs: Any) -> list:
+    return [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs)]
+
+
+def traced_step(
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None
+) -> tuple[list[Segment], dict[str, tuple[int, int]], int]:
+    """Segments, block I/O bytes and the peak above resting bytes of one tracked step."""
+    gc.collect()
+    tracker = StorageTracker(known=_resting(model, inputs))
+    recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost)
+    with recorder, tracker:
+        _run_step(model, inputs, loss_fn, recorder)
+    return recorder.segments, recorder.io_bytes, tracker.peak
+
+
+def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str]) -> list[Segment]:
+    recorder = SegmentRecorder(model, names)
+    with recorder:
+        _run_step(model, inputs, loss_fn, recorder)
+    return recorder.segments
+
+
+def _check_same_structure(runs: dict[str, list[Segment]]) -> None:
+    keys = {p: [s.key for s in segs] for p, segs in runs.items()}
+    reference = keys["keep"]
+    for policy, k in keys.items():
+        if sorted(k, key=repr) != sorted(reference, key=repr):
+            raise RematError(
+                f"remat.profile: the step runs different blocks under policy {policy!r} than without "
+                f"checkpointing ({len(k)} vs {len(reference)} segments); is the model's forward data-dependent?"
+            )
+
+
+def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str, float]:
+    """Fake profiles: recomputing the forward, or the ops selective does not keep, at the target's speed."""
+    op_s = sum(s.op_s for s in fwd_segments)
+    kept = sum(s.save_op_s for s in fwd_segments) / op_s if op_s > 0 else 0.0
+    return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "full": fwd_s}
+
+
+def _block_profiles(
+    names: Sequence[str],
+    segments: dict[str, dict[Key, SegmentCost]],
+    traced: dict[str, list[Segment]],
+    io_bytes: dict[str, tuple[int, int]],
+    policies: Sequence[str],
+    recompute: dict[str, dict[Key, list[float]]] | None,
+) -> tuple[BlockProfile, ...]:
+    """Per block; ``recompute`` holds measured recompute seconds (None on fake tensors)."""
+    out = []
+    keep_segments = {s.key: s for s in traced["keep"]}
+    flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
+    if recompute is not None:  # see NOTE [The time model] in remat.core._timing
+        block_fwd = [k for k in segments["keep"] if k[0] == "fwd" and k[1] is not None]
+        slowdown = forward_slowdown({p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p])
+                                     for p in policies})
+    for name in names:
+        fwd_keys = [k for k in segments["keep"] if k[0] == "fwd" and k[1] == name]
+        if not fwd_keys:
+            continue  # never called in this step
+        bwd_keys = [k for k in segments["keep"] if k[0] == "bwd" and k[1] == name]
+
+        def total(policy: str, keys: list[Key], attr: str) -> float:
+            return sum(getattr(segments[policy][k], attr) for k in keys)
+
+        inp, outp = io_bytes.get(name, (0, 0))
+        fwd_s = total("keep", fwd_keys, "seconds")
+        if recompute is None:
+            extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys])
+        else:
+            measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
+                        for p in policies}
+            extra = {p: extra_time(p, recompute_s=measured[p], fwd_s=fwd_s, slowdown=slowdown[p]) for p in policies}
+        out.append(
+            BlockProfile(
+                name=name,
+                input_bytes=inp,
+                output_bytes=outp,
+                saved_bytes={p: int(total(p, fwd_keys, "delta")) - outp * len(fwd_keys) for p in policies},
+                fwd_time_s=fwd_s,
+                bwd_time_s=total("keep", bwd_keys, "seconds"),
+                extra_time_s={p: extra[p] for p in policies},
+                fwd_flops=sum(flops["keep"][k] for k in fwd_keys),
+                bwd_flops={p: sum(flops[p][k] for k in bwd_keys) for p in policies},
+                calls=len(fwd_keys),
+            )
+        )
+    return tuple(out)
+
+
+def run_profile(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None,
+    *,
+    names: Sequence[str],
+    policies: Sequence[str],
+    warmup: int,
+    repeat: int,
+) -> Profile:
+    """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
+    state = capture(model)
+    switch = _Policies(model, names)
+    with cache_disabled(model):
+        try:
+            traced: dict[str, list[Segment]] = {}
+            io_bytes: dict[str, tuple[int, int]] = {}
+            for policy in policies:
+                switch.set(policy)
+                traced[policy], io, _ = traced_step(model, inputs, loss_fn, names)
+                io_bytes = io_bytes or io
+                state.restore()
+            _check_same_structure(traced)
+            seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
+            recompute: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
+            keep_steps: list[float] = []  # whole-step times without checkpointing: the profile's step time
+            for i in range(warmup + repeat):
+                for policy in policies:  # interleaved, so drift hits every policy alike
+                    switch.set(policy)
+                    segs = _timed_segments(model, inputs, loss_fn, names)
+                    state.restore()
+                    if i >= warmup:
+                        if policy == "keep":
+                            keep_steps.append(sum(s.seconds for s in segs))
+                        for s in segs:
+                            seconds[policy][s.key].append(s.seconds)
+                            recompute[policy][s.key].append(s.recompute_s)
+        finally:
+            switch.restore()
+            state.restore()
+        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps, recompute=recompute)
+
+
+def _assemble(
+    model: nn.Module,
+    inputs: Any,
+    names: Sequence[str],
+    policies: Sequence[str],
+    traced: dict[str, list[Segment]],
+    io_bytes: dict[str, tuple[int, int]],
+    seconds: dict[str, dict[Key, list[float]]],
+    keep_steps: list[float],
+    *,
+    recompute: dict[str, dict[Key, list[float]]] | None = None,
+    fake: bool = False,
+    target: str | None = None,
+    device: str | None = None,
+) -> Profile:
+    def seconds_of(policy: str, seg: Segment) -> float:
+        if fake:
+            return seg.op_s
+        return statistics.median(seconds[policy][seg.key]) if seconds[policy].get(seg.key) else 0.0
+
+    segments = {
+        p: {s.key: SegmentCost(s.delta, s.excess, seconds_of(p, s)) for s in traced[p]} for p in policies
+    }
+    keep = traced["keep"]
+    params = list(model.parameters())
+    step_time = (
+        sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
+    )
+    return Profile(
+        model=type(model).__name__,
+        device=device or str(next((p.device for p in params), "cpu")),
+        blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
+        resting_bytes=storage_bytes(_resting(model, inputs)),
+        param_bytes=storage_bytes(params),
+        grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
+        step_time_s=step_time,
+        policies=tuple(policies),
+        fwd_order=[s.key for s in keep if s.phase == "fwd"],
+        bwd_order=[s.key for s in keep if s.phase == "bwd"],
+        segments=segments,
+        fake=fake,
+        target=target,
+    )
+
+
+def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:
+    policies = tuple(dict.fromkeys(["keep", *policies]))
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise RematError(f"remat.profile: unknown policies {bad}; choose from {list(POLICIES)}.")
+    return policies

@@ -1,0 +1,199 @@
+"""The data of ``remat.profile``: what each block keeps for backward, what recomputing it costs,
+and a model of the step's peak for any mix of policies.
+
+NOTE [The peak model]
+Measurements show the peak of a training step often sits in backward, not at
+the end of forward (measurements.md, point 1), so bytes saved for backward alone
+mislead. The profiler runs one traced step per policy with every block under
+that policy, cut into segments (``remat.profiling._trace``). For each segment it keeps
+the change in live bytes (delta) and the most above its start (excess). A
+block's behaviour depends on its own policy only, so the live bytes of any
+assignment are composed by walking the forward segments, then the backward
+segments, each taken from the run of its block's policy; glue takes the policy
+of the block before it. The peak is the largest ``live + excess`` on the walk.
+Uniform assignments reproduce their own run exactly; mixed ones are checked
+against measurement in the tests (within 5%).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from remat.errors import RematError
+from remat.profiling._format import human_bytes, load_versioned, render
+
+__all__ = ["BlockProfile", "Profile", "SegmentCost"]
+
+SCHEMA_VERSION = 1
+
+Key = tuple[str, "str | None", int]
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """Costs of one block (summed over its calls), per policy where they differ."""
+
+    name: str
+    """Qualified module name."""
+    input_bytes: int
+    """Bytes of the tensors it is called with."""
+    output_bytes: int
+    """Bytes of the tensors it returns."""
+    saved_bytes: dict[str, int]
+    """Per policy: bytes it keeps alive for backward beyond its output, at the end of its forward."""
+    fwd_time_s: float
+    """Forward time without checkpointing."""
+    bwd_time_s: float
+    """Backward time without checkpointing."""
+    extra_time_s: dict[str, float]
+    """Per policy: extra step time against keeping everything (recomputation, bookkeeping)."""
+    fwd_flops: int
+    """FLOPs of its forward."""
+    bwd_flops: dict[str, int]
+    """Per policy: FLOPs of its backward segment, recomputation included."""
+    calls: int = 1
+    """Times it runs per step."""
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """One segment of the step under one policy (see NOTE [The peak model])."""
+
+    delta: int
+    excess: int
+    seconds: float
+
+
+@dataclass
+class Profile:
+    """Everything the planner needs about one model, batch and device."""
+
+    model: str
+    """Class name of the profiled model."""
+    device: str
+    """Device the step ran on (or the target device for fake profiles)."""
+    blocks: tuple[BlockProfile, ...]
+    """The blocks, in execution order."""
+    resting_bytes: int
+    """Parameters, buffers and inputs: alive for the whole step."""
+    param_bytes: int
+    """Bytes of all parameters."""
+    grad_bytes: int
+    """Bytes of the gradients of the trainable parameters."""
+    step_time_s: float
+    """Median step time without checkpointing."""
+    policies: tuple[str, ...]
+    """Policies profiled; ``keep`` is always among them."""
+    fwd_order: list[Key]
+    """Forward segments in execution order."""
+    bwd_order: list[Key]
+    """Backward segments in execution order."""
+    segments: dict[str, dict[Key, SegmentCost]]
+    """Per policy: the cost of every segment in the run with all blocks under that policy."""
+    fake: bool = False
+    """True when profiled on fake tensors (times from the target's cost model)."""
+    target: str | None = None
+    """Cost-model target for fake profiles (``h100``, ``a100``, ``cpu``)."""
+    notes: list[str] = field(default_factory=list)
+    """Anything the user should know about this profile."""
+
+    # -- the peak model --------------------------------------------------------
+    def _check(self, assignment: Mapping[str, str] | Any | None) -> dict[str, str]:
+        if assignment is None:
+            return {}
+        if hasattr(assignment, "assignment"):
+            assignment = assignment.assignment
+        names = {b.name for b in self.blocks}
+        unknown = sorted(set(assignment) - names)
+        if unknown:
+            raise RematError(f"remat.Profile: {unknown} are not blocks of this profile; blocks: {sorted(names)}.")
+        bad = {b: p for b, p in assignment.items() if p not in self.policies}
+        if bad:
+            raise RematError(f"remat.Profile: policies {bad} were not profiled; profiled: {list(self.policies)}.")
+        return dict(assignment)
+
+    def _segment_policies(self, assignment: Mapping[str, str]) -> list[tuple[Key, str]]:
+        # Glue takes the policy of the block before it in forward: that block's
+        # policy decides who holds the tensors the glue receives.
+        steps, previous = [], None
+        for key in self.fwd_order:
+            previous = key[1] or previous
+            steps.append((key, assignment.get(previous, "keep") if previous else "keep"))
+        for key in self.bwd_order:
+            steps.append((key, assignment.get(key[1] or previous, "keep") if (key[1] or previous) else "keep"))
+        return steps
+
+    def timeline(self, assignment: Mapping[str, str] | Any | None = None) -> list[tuple[Key, int, int]]:
+        """(segment, live bytes at its start, most live inside it) along the composed step."""
+        live, out = self.resting_bytes, []
+        for key, policy in self._segment_policies(self._check(assignment)):
+            cost = self.segments[policy][key]
+            out.append((key, live, live + cost.excess))
+            live += cost.delta
+        return out
+
+    def predict_peak(self, assignment: Mapping[str, str] | Any | None = None) -> int:
+        """Predicted peak bytes of a training step with ``assignment`` (block name -> policy; default keep)."""
+        return max((top for _, _, top in self.timeline(assignment)), default=self.resting_bytes)
+
+    def predict_time(self, assignment: Mapping[str, str] | Any | None = None) -> float:
+        """Predicted step time in seconds with ``assignment``."""
+        assignment = self._check(assignment)
+        by_name = {b.name: b for b in self.blocks}
+        return self.step_time_s + sum(by_name[n].extra_time_s[p] for n, p in assignment.items())
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        """Peak without any checkpointing."""
+        return self.predict_peak({})
+
+    # -- rendering ---------------------------------------------------------------
+    def table(self) -> str:
+        """A readable per-block table (plain text)."""
+        return profile_table(self)
+
+    def to_json(self) -> str:
+        """Serialise (schema-versioned)."""
+        data = asdict(self)
+        data["schema"] = SCHEMA_VERSION
+        data["segments"] = {p: [[list(k), asdict(c)] for k, c in segs.items()] for p, segs in self.segments.items()}
+        data["fwd_order"] = [list(k) for k in self.fwd_order]
+        data["bwd_order"] = [list(k) for k in self.bwd_order]
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        """Load what :meth:`to_json` wrote; refuses unknown schema versions."""
+        data = load_versioned(text, what="remat.Profile.from_json", schema=SCHEMA_VERSION)
+        data["blocks"] = tuple(BlockProfile(**b) for b in data["blocks"])
+        data["policies"] = tuple(data["policies"])
+        data["fwd_order"] = [tuple(k) for k in data["fwd_order"]]
+        data["bwd_order"] = [tuple(k) for k in data["bwd_order"]]
+        data["segments"] = {p: {tuple(k): SegmentCost(**c) for k, c in segs} for p, segs in data["segments"].items()}
+        return cls(**data)
+
+
+def profile_table(p: Profile) -> str:
+    header = ["block", "in", "out", "saved keep", "saved sel", "saved full", "fwd ms", "bwd ms",
+              "+ms sel", "+ms full", "GFLOP fwd", "peak if full"]
+    base = p.baseline_peak_bytes
+    rows = []
+    for b in p.blocks:
+        alone = p.predict_peak({b.name: "full"}) if "full" in p.policies else base
+        rows.append([
+            b.name, human_bytes(b.input_bytes), human_bytes(b.output_bytes),
+            *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in ("keep", "selective", "full")),
+            f"{b.fwd_time_s * 1e3:.1f}", f"{b.bwd_time_s * 1e3:.1f}",
+            *(f"{b.extra_time_s[k] * 1e3:.1f}" if k in b.extra_time_s else "-" for k in ("selective", "full")),
+            f"{b.fwd_flops / 1e9:.2f}", f"{(alone - base) / base:+.1%}",
+        ])
+    kind = f"fake tensors, times modelled for {p.target}" if p.fake else f"measured on {p.device}"
+    summary = (
+        f"{p.model}: {len(p.blocks)} blocks, {kind}. Resting {human_bytes(p.resting_bytes)} "
+        f"(parameters {human_bytes(p.param_bytes)}), gradients {human_bytes(p.grad_bytes)}, "
+        f"peak without checkpointing {human_bytes(base)}, step {p.step_time_s * 1e3:.0f} ms."
+    )
+    return "\n".join([summary, render(header, rows), *p.notes])

@@ -1,0 +1,68 @@
+"""``remat.profile``: run the traced steps of a model and return its :class:`Profile`.
+
+The data it returns, and the peak model built on it, live in ``remat.profiling._types``
+(see NOTE [The peak model] there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat.errors import RematError
+from remat.profiling._types import Profile
+
+__all__ = ["profile"]
+
+
+def profile(
+    model: Any,
+    inputs: Any,
+    loss_fn: Any = None,
+    *,
+    blocks: str | list[str] | None = None,
+    policies: tuple[str, ...] = ("keep", "selective", "full"),
+    warmup: int = 1,
+    repeat: int = 3,
+    fake: bool = False,
+    target: Any = None,
+) -> Profile:
+    """Profile one training step of ``model`` on ``inputs`` under every policy.
+
+    Args:
+        model: the model as it is trained; restored exactly afterwards.
+        inputs: a tensor, a tuple (positional) or a dict (keyword arguments).
+        loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` or the sum of the outputs.
+        blocks: the checkpointing units: ``"auto"`` (default), ``"coarse"``, ``"fine"``,
+            or a list of module names.
+        policies: the policies to profile (``keep`` is always added).
+        warmup: untimed steps per policy before the timed ones.
+        repeat: timed steps per policy; times are medians.
+        fake: run on fake tensors: nothing is allocated, so a model larger than
+            this machine (built under ``torch.device("meta")``) can be planned.
+            Memory is exact; times come from ``target``'s roofline model.
+        target: for fake profiles, ``"h100"``, ``"a100"``, ``"cpu"`` (default,
+            calibrated once) or a :class:`remat.profiling.targets.Target`.
+    """
+    from remat.profiling._blocks import find_blocks
+    from remat.profiling._profile_run import run_profile, validate_policies
+
+    if warmup < 0 or repeat < 1:
+        raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
+    names = find_blocks(model, blocks)
+    if not names:
+        raise RematError(
+            f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated "
+            "children); pass blocks=[...] with the module names to consider."
+        )
+    policies = validate_policies(policies)
+    if fake:
+        from remat.profiling._fake import run_fake_profile
+        from remat.profiling.targets import Target, get_target
+
+        spec = target if isinstance(target, Target) else get_target(target or "cpu")
+        return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec)
+    if target is not None:
+        raise RematError(
+            f"remat.profile: target={target!r} only applies to fake=True; a real profile measures this device."
+        )
+    return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat)

@@ -1,0 +1,153 @@
+"""Watching only when needed: the first call of a callable runs under the copy-on-write
+dispatch mode, later calls without it, and every step still matches no checkpointing."""
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+import remat.core._region as region
+from remat.core._region import _CopyOnWrite
+
+from conftest import assert_buffers_equal, assert_grads_equal, step, twin
+
+
+@pytest.fixture
+def mode_entries(monkeypatch):
+    """How many times the copy-on-write dispatch mode was entered."""
+    count = [0]
+    enter = _CopyOnWrite.__enter__
+
+    def counting(self):
+        count[0] += 1
+        return enter(self)
+
+    monkeypatch.setattr(_CopyOnWrite, "__enter__", counting)
+    return count
+
+
+def _steps_match(ref, model, x, steps):
+    """``steps`` training steps of both, each checked for equal gradients and buffers."""
+    for seed in range(steps):
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+        step(ref, x, seed=seed)
+        step(model, x, seed=seed)
+        assert_grads_equal(ref, model)
+        assert_buffers_equal(ref, model)
+
+
+def _bn_block():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Dropout(0.2))
+
+
+def test_batchnorm_block_watched_once_then_copied_on_entry(mode_entries):
+    torch.manual_seed(0)
+    ref = nn.Sequential(_bn_block(), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(4, 3, 8, 8)
+    ref(x)
+    model = twin(ref)
+    remat.wrap(model[0])
+    _steps_match(ref, model, x, 4)  # running stats advance once per step, every step
+    assert mode_entries[0] == 1
+    assert int(model[0][1].num_batches_tracked) == 4 + 1  # the lazy-init call counted once
+
+
+def test_eval_then_train_watches_again_for_the_new_mode(mode_entries):
+    torch.manual_seed(0)
+    ref = _bn_block()
+    model = twin(ref)
+    remat.wrap(model)
+    x = torch.randn(4, 3, 8, 8)
+    for m in (ref, model):
+        m.eval()
+    step(ref, x)
+    step(model, x)
+    for m in (ref, model):
+        m.train()
+    for seed in range(2):
+        step(ref, x, seed=seed)
+        step(model, x, seed=seed)
+    assert_buffers_equal(ref, model)
+    assert mode_entries[0] == 2  # once per training flag
+
+
+class InPlaceOnInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x.mul_(2.0))
+
+
+def test_a_function_that_writes_its_input_stays_watched(mode_entries):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), InPlaceOnInput(), nn.Tanh())
+    model = twin(ref)
+    remat.wrap(model[1])
+    _steps_match(ref, model, torch.randn(5, 6), 3)
+    assert mode_entries[0] == 3
+
+
+class Sometimes(nn.Module):
+    """Writes in place to its input or to a large buffer only once told to."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("big", torch.zeros(region._SNAPSHOT_BYTES // 4 + 1))
+        self.target = target
+        self.write = False
+
+    def forward(self, x):
+        if self.write and self.target == "input":
+            x.add_(1.0)
+        elif self.write:
+            self.big.add_(1.0)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("target", ["input", "buffer"])
+def test_an_unexpected_write_is_an_error_and_the_next_call_watches(target, mode_entries):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), Sometimes(target))
+    model = twin(ref)
+    remat.wrap(model[1])
+    x = torch.randn(5, 6)
+    step(model, x)  # first call: watched, writes nothing
+    model[1].write = ref[1].write = True
+    with pytest.raises(remat.RematError, match="first call did not.*run the step again"):
+        step(model, x)
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        m[1].big.zero_()
+    step(ref, x)
+    step(model, x)  # watched again: exact
+    assert_grads_equal(ref, model)
+    assert_buffers_equal(ref, model)
+    assert mode_entries[0] == 2
+
+
+def test_functions_without_a_stable_identity_are_always_watched(mode_entries):
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        remat.checkpoint(lambda t: lin(t).relu(), x).sum().backward()
+    assert mode_entries[0] == 3
+    for _ in range(3):
+        remat.checkpoint(lin, x).sum().backward()
+    assert mode_entries[0] == 4
+
+
+def test_the_wrapped_modules_own_buffers_change_once():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5))
+    model = twin(ref)
+    remat.wrap(model[1])  # the BatchNorm itself, not a container around it
+    x = torch.randn(6, 5)
+    for seed in range(3):
+        step(ref, x, seed=seed)
+        step(model, x, seed=seed)
+    assert_buffers_equal(ref, model)
+    assert int(model[1].num_batches_tracked) == 3

@@ -1,0 +1,255 @@
+"""remat under torch.distributed: 2 gloo ranks on CPU, DDP and FSDP2, against the un-checkpointed runs.
+
+One pair of processes runs every distributed scenario (starting processes and
+importing transformers costs more than the steps); each rank saves what it saw
+and the tests below compare the ranks' results in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import remat
+from remat.core._memtrack import storage_bytes
+from remat.core._step import training_step
+from remat.planning._synthetic import synthetic_profile
+from remat.zoo import build
+
+WORLD = 2
+SIZES = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2, "dropout": 0.1}
+BUDGET = 0.6
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+# -- what every rank runs -------------------------------------------------------------
+def _model_and_batch(rank: int) -> tuple[nn.Module, dict, list[str]]:
+    zoo = build("gpt2", **SIZES)  # seed 0: identical weights on every rank
+    gen = torch.Generator().manual_seed(100 + rank)  # a different batch per rank, so reductions matter
+    ids = torch.randint(0, SIZES["vocab"], (SIZES["batch"], SIZES["seq"]), generator=gen)
+    return zoo.model, {"input_ids": ids, "labels": ids.clone()}, list(zoo.blocks)
+
+
+def _shard(model: nn.Module, blocks: list[str]) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(model.named_modules())
+    for name in blocks:
+        fully_shard(modules[name])
+    fully_shard(model)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _step(model: nn.Module, inputs: dict) -> dict:
+    """One training step and an AdamW step; the local gradients and parameters after it."""
+    torch.manual_seed(7)  # the same dropout masks in every run
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    optimizer = torch.optim.AdamW(inner.parameters(), lr=1e-3)
+    model.zero_grad(set_to_none=True)
+    loss = training_step(model, inputs)
+    grads = {n: _local(p.grad).clone() for n, p in inner.named_parameters()}
+    optimizer.step()
+    params = {n: _local(p).detach().clone() for n, p in inner.named_parameters()}
+    return {"loss": float(loss), "grads": grads, "params": params}
+
+
+def _memtracker_peak(model: nn.Module, inputs: dict) -> int | None:
+    """torch's own tracker (handles DTensors and resized storages), as an independent check."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:
+        return None
+    model.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model, *inputs.values())
+    with tracker:
+        training_step(model, inputs)
+    model.zero_grad(set_to_none=True)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _fsdp(rank: int) -> dict:
+    model, inputs, blocks = _model_and_batch(rank)
+    reference = _step(_shard(model, blocks), inputs)
+    model, _, _ = _model_and_batch(rank)
+    _shard(model, blocks)  # profiled sharded, inside the process group: per-rank bytes
+    plan = remat.distributed.auto(model, inputs, BUDGET, repeat=1, warmup=0)
+    measured = remat.measure(model, inputs, warmup=1, repeat=1)
+    out = {"plan": plan.to_json(), "peak": measured.peak_bytes, "torch_peak": _memtracker_peak(model, inputs),
+           "reference": reference, "remat": _step(model, inputs)}
+    model, _, _ = _model_and_batch(rank)
+    remat.apply(model, plan)  # the other order: checkpoint the blocks, then shard them
+    out["apply_then_shard"] = _step(_shard(model, blocks), inputs)
+    return out
+
+
+def _ddp(rank: int) -> dict:
+    ddp = nn.parallel.DistributedDataParallel
+    model, inputs, _ = _model_and_batch(rank)
+    reference = _step(ddp(model), inputs)
+    model, _, _ = _model_and_batch(rank)
+    plan = remat.distributed.plan_on_rank0(
+        lambda: remat.profile(model, inputs, repeat=1, warmup=0), BUDGET, ddp=True
+    )
+    remat.apply(model, plan)  # then wrapped
+    wrapped = ddp(model)
+    measured = remat.measure(wrapped, inputs, warmup=2, repeat=1)  # after DDP rebuilt its buckets
+    buckets = str(wrapped._get_ddp_logging_data()["bucket_sizes"])
+    listed = storage_bytes([*model.parameters(), *model.buffers(), *inputs.values()])
+    out = {"plan": plan.to_json(), "peak": measured.peak_bytes, "reference": reference,
+           "remat": _step(wrapped, inputs), "buckets": sum(int(b) for b in buckets.split(",")),
+           "unlisted": measured.resting_bytes - listed}
+    model, _, _ = _model_and_batch(rank)
+    wrapped = ddp(model, find_unused_parameters=True)  # wrapped first, then remat.distributed.auto
+    out["auto_plan"] = remat.distributed.auto(wrapped, inputs, BUDGET, repeat=1, warmup=0).to_json()
+    out["find_unused"] = _step(wrapped, inputs)
+    return out
+
+
+def _rank0_error() -> str:
+    try:
+        remat.distributed.plan_on_rank0(lambda: synthetic_profile(4), budget=1)
+    except remat.RematError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks on a shared 2-core machine
+    torch.use_deterministic_algorithms(True)
+    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = {"fsdp": _fsdp(rank), "ddp": _ddp(rank), "rank0_error": _rank0_error()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("distributed")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+# -- the checks ---------------------------------------------------------------------------
+def _assert_same_step(reference: dict, got: dict) -> None:
+    # Bit-equal on CPU: recompute replays the same kernels on the same inputs with the same
+    # RNG state, so each rank's unreduced gradients are bit-equal; the collectives then reduce
+    # equal numbers. DDP may group them into buckets differently (it rebuilds buckets in the
+    # order gradients become ready), but with 2 ranks each element is one sum a + b either way.
+    assert got["loss"] == reference["loss"]
+    for kind in ("grads", "params"):
+        assert reference[kind].keys() == got[kind].keys()
+        for name, value in reference[kind].items():
+            assert torch.equal(value, got[kind][name]), f"{kind} {name} differ"
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_gradients_and_parameters_equal_the_uncheckpointed_run(ranks, mode):
+    for result in ranks:
+        out = result[mode]
+        assert remat.Plan.from_json(out["plan"]).checkpointed, "the budget should make remat checkpoint something"
+        _assert_same_step(out["reference"], out["remat"])
+    if mode == "fsdp":
+        for result in ranks:
+            _assert_same_step(result["fsdp"]["reference"], result["fsdp"]["apply_then_shard"])
+        sizes = [sum(g.numel() for g in r["fsdp"]["remat"]["grads"].values()) for r in ranks]
+        full = sum(g.numel() for g in ranks[0]["ddp"]["remat"]["grads"].values())
+        assert sum(sizes) >= full and max(sizes) < full  # sharded: each rank holds part of every gradient
+    else:
+        for result in ranks:  # find_unused_parameters=True: no "mark a variable ready only once"
+            _assert_same_step(result["ddp"]["reference"], result["ddp"]["find_unused"])
+
+
+@pytest.mark.parametrize("key", [("fsdp", "plan"), ("ddp", "plan"), ("ddp", "auto_plan")])
+def test_plan_is_identical_on_every_rank(ranks, key):
+    mode, field = key
+    assert ranks[0][mode][field] == ranks[1][mode][field]
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_measured_peak_per_rank_is_within_budget(ranks, mode):
+    for result in ranks:
+        out = result[mode]
+        plan = remat.Plan.from_json(out["plan"])
+        assert out["peak"] <= 1.02 * plan.budget_bytes, (out["peak"], plan.budget_bytes)
+        assert out["peak"] == pytest.approx(plan.predicted_peak_bytes, rel=0.02)
+    if mode == "fsdp" and ranks[0]["fsdp"]["torch_peak"] is not None:
+        assert [r["fsdp"]["peak"] for r in ranks] == [r["fsdp"]["torch_peak"] for r in ranks]
+    if mode == "ddp":  # the resting storages remat found beyond the model's are exactly DDP's buckets
+        assert [r["ddp"]["buckets"] for r in ranks] == [r["ddp"]["unlisted"] for r in ranks]
+
+
+def test_rank0_planning_error_reaches_every_rank(ranks):
+    assert "below the lowest peak" in ranks[0]["rank0_error"]
+    assert "planning failed on rank 0" in ranks[1]["rank0_error"]
+    assert "below the lowest peak" in ranks[1]["rank0_error"]
+
+
+def test_plan_on_rank0_without_a_process_group_plans_locally():
+    prof = synthetic_profile(4)
+    budget = (remat.plan(prof, 1.0).min_peak_bytes + prof.baseline_peak_bytes) // 2
+    assert remat.distributed.plan_on_rank0(prof, budget) == remat.plan(prof, budget)
+    with_buckets = remat.distributed.plan_on_rank0(lambda: prof, budget + prof.grad_bytes, ddp=True)
+    assert with_buckets.baseline_peak_bytes == prof.baseline_peak_bytes + prof.grad_bytes
+    assert with_buckets.assignment == remat.plan(prof, budget).assignment
+
+
+def _run_example() -> subprocess.CompletedProcess:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+               str(root / "examples" / "distributed_train.py"), "--fsdp", "--layers", "2", "--hidden", "64",
+               "--seq", "32", "--batch", "2", "--steps", "2", "--budget", "0.9"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+EXPECTED_LINES = ("FSDP2 on 2 ranks. optimal plan", "rank 0: peak", "rank 1: peak", "step 0: loss", "step 1: loss")
+
+
+def _aborted_after_finishing(done: subprocess.CompletedProcess) -> bool:
+    """Everything printed, then a rank aborted while its interpreter was shutting down.
+
+    Seen about once in 50 runs on this machine (torch 2.13, gloo): "terminate called
+    without an active exception" in a thread of the exiting process, with no Python
+    frame left, after the last step was printed and the process group destroyed.
+    Nothing of remat runs by then (it starts no threads).
+    """
+    return (done.returncode != 0 and all(line in done.stdout for line in EXPECTED_LINES)
+            and "terminate called without an active exception" in done.stderr and "<no Python frame>" in done.stderr)
+
+
+def test_example_trains_under_torchrun():
+    done = _run_example()
+    if _aborted_after_finishing(done):
+        warnings.warn(f"gloo aborted at interpreter exit after the example finished; retrying once:\n"
+                      f"{done.stderr[-1500:]}", stacklevel=1)
+        done = _run_example()
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    for line in EXPECTED_LINES:
+        assert line in done.stdout, done.stdout

@@ -1,0 +1,165 @@
+"""remat.plan / apply / remove / auto: budgets met as measured, gradients untouched, all or nothing."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import remat
+from remat.core._state import capture
+from remat.planning._solve import chain_of, solve
+from remat.planning._synthetic import synthetic_profile
+from remat.zoo import build
+
+from conftest import SMALL, assert_buffers_equal, assert_grads_equal, assert_state_equal, twin
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    out = {}
+    for name in ("gpt2", "llama"):
+        zoo = build(name, **SMALL[name])
+        out[name] = (zoo, remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0))
+    return out
+
+
+def _grads_after_step(model, zoo):
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    remat.core._step.training_step(model, zoo.inputs, zoo.loss_fn)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_budgets_are_met_as_measured_with_identical_gradients(profiled, name):
+    zoo, prof = profiled[name]
+    reference = twin(zoo.model)
+    _grads_after_step(reference, zoo)
+    keys = list(zoo.model.state_dict())
+    minimum = remat.plan(prof, 1.0).min_peak_bytes
+    previous_peak = math.inf
+    for budget in (0.9, 0.7, 0.5, minimum):
+        if isinstance(budget, float) and budget * prof.baseline_peak_bytes < minimum:
+            with pytest.raises(remat.RematError, match="below the lowest peak"):
+                remat.plan(prof, budget)
+            continue
+        plan = remat.plan(prof, budget)
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        assert plan.predicted_peak_bytes <= previous_peak  # smaller budget, never a larger peak
+        previous_peak = plan.predicted_peak_bytes
+        remat.apply(zoo.model, plan)
+        assert list(zoo.model.state_dict()) == keys
+        measured = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1)
+        assert measured.peak_bytes <= 1.02 * plan.budget_bytes, (budget, measured.peak_bytes, plan.budget_bytes)
+        _grads_after_step(zoo.model, zoo)
+        assert_grads_equal(reference, zoo.model)
+        remat.remove(zoo.model)
+        zoo.model.zero_grad(set_to_none=True)
+    assert all(remat.is_wrapped(m) is None for m in zoo.model.modules())
+
+
+def test_seed_cnn_budget_below_its_minimum_names_the_minimum():
+    zoo = build("seed-cifar", batch=16)
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0)
+    plan = remat.plan(prof, 1.0)
+    assert plan.min_peak_bytes == prof.baseline_peak_bytes  # checkpointing cannot lower this CNN's peak
+    assert plan.checkpointed == {}  # so the plan does not recompute for nothing
+    assert "No plan lowers this model's peak" in plan.summary()
+    with pytest.raises(remat.RematError, match=rf"lowest peak .*\({plan.min_peak_bytes} bytes, 1.000"):
+        remat.plan(prof, 0.9)
+
+
+def test_solver_is_optimal_against_brute_force():
+    for seed in range(4):
+        prof = synthetic_profile(6, seed=seed, resting=0)
+        chain = chain_of(prof)
+        names = [b.name for b in prof.blocks]
+        every = [dict(zip(names, combo)) for combo in itertools.product(prof.policies, repeat=len(names))]
+        peaks = [prof.predict_peak(a) for a in every]
+        times = [prof.predict_time(a) for a in every]
+        for frac in (0.95, 0.8, 0.65):
+            budget = min(peaks) + frac * (max(peaks) - min(peaks))
+            best = min(t for t, p in zip(times, peaks) if p <= budget)
+            picks, _ = solve(chain, budget)
+            found = {n: chain.policies[j] for n, j in zip(chain.blocks, picks)}
+            assert prof.predict_peak(found) <= budget
+            assert prof.predict_time(found) <= best + 1e-9
+        lowest, _ = solve(chain, math.inf, minimise_peak=True)
+        lowest_plan = {n: chain.policies[j] for n, j in zip(chain.blocks, lowest)}
+        assert prof.predict_peak(lowest_plan) == min(peaks)
+
+
+def test_two_hundred_blocks_plan():
+    prof = synthetic_profile(200)
+    plan = remat.plan(prof, 0.6)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert len(plan.assignment) == 200 and plan.checkpointed
+
+
+@pytest.mark.parametrize("budget", ["6GiB", "500MB", "0.5", 0.5, 1.0, 123456789, " 2 gib "])
+def test_budget_forms(budget):
+    value = remat.parse_budget(budget, baseline_bytes=10**9)
+    expected = {"6GiB": 6 * 2**30, "500MB": 5 * 10**8, "0.5": 5 * 10**8, 0.5: 5 * 10**8, 1.0: 10**9,
+                123456789: 123456789, " 2 gib ": 2 * 2**30}[budget]
+    assert value == expected
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5, "lots", "5 parsecs", True, None, "-1GB", float("nan")])
+def test_bad_budgets_raise_and_leave_model_untouched(profiled, budget):
+    zoo, prof = profiled["llama"]
+    before = capture(zoo.model)
+    with pytest.raises(remat.RematError, match="budget"):
+        remat.plan(prof, budget)
+    with pytest.raises(remat.RematError, match="budget"):
+        remat.auto(zoo.model, zoo.inputs, budget, loss_fn=zoo.loss_fn, repeat=1, warmup=0)
+    assert_state_equal(before, capture(zoo.model))
+    assert all(remat.is_wrapped(m) is None for m in zoo.model.modules())
+    assert zoo.model.config.use_cache is False  # the zoo builds for training; untouched either way
+
+
+def test_plan_json_round_trip_and_validation(profiled):
+    _, prof = profiled["gpt2"]
+    plan = remat.plan(prof, 0.6)
+    again = remat.Plan.from_json(plan.to_json())
+    assert again == plan
+    with pytest.raises(remat.RematError, match="schema"):
+        remat.Plan.from_json(plan.to_json().replace('"schema": 1', '"schema": 7'))
+    with pytest.raises(remat.RematError, match="not JSON"):
+        remat.Plan.from_json("{")
+    with pytest.raises(remat.RematError, match="unknown policies"):
+        remat.Plan.from_json(plan.to_json().replace('"full"', '"sometimes"'))
+
+
+def test_apply_is_all_or_nothing(profiled):
+    zoo, prof = profiled["gpt2"]
+    plan = remat.plan(prof, 0.6)
+    bad = remat.Plan(**{**plan.__dict__, "assignment": {**plan.assignment, "transformer.h.99": "full"}})
+    with pytest.raises(remat.RematError, match="does not have"):
+        remat.apply(zoo.model, bad)
+    assert all(remat.is_wrapped(m) is None for m in zoo.model.modules())
+
+
+def test_hand_made_strategies(profiled):
+    _, prof = profiled["llama"]
+    names = [b.name for b in prof.blocks]
+    assert remat.plan(prof, strategy="none").checkpointed == {}
+    assert remat.plan(prof, strategy="all").checkpointed == {n: "full" for n in names}
+    assert remat.plan(prof, strategy="every:2").checkpointed == {names[0]: "full", names[2]: "full"}
+    optimal = remat.plan(prof, budget=remat.plan(prof, strategy="all").predicted_peak_bytes)
+    assert optimal.predicted_overhead <= remat.plan(prof, strategy="all").predicted_overhead + 1e-12
+    with pytest.raises(remat.RematError, match="unknown strategy"):
+        remat.plan(prof, strategy="every:zero")
+
+
+def test_auto_applies_and_remove_restores(profiled):
+    zoo = build("llama", **SMALL["llama"])
+    ref = twin(zoo.model)
+    plan = remat.auto(zoo.model, zoo.inputs, 0.75, loss_fn=zoo.loss_fn, repeat=1, warmup=0)
+    wrapped = {n for n, m in zoo.model.named_modules() if remat.is_wrapped(m)}
+    assert wrapped == set(plan.checkpointed)
+    _grads_after_step(ref, zoo)
+    _grads_after_step(zoo.model, zoo)
+    assert_grads_equal(ref, zoo.model)
+    assert_buffers_equal(ref, zoo.model)
+    remat.remove(zoo.model)
+    assert not any(remat.is_wrapped(m) for m in zoo.model.modules())

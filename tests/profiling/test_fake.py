@@ -1,0 +1,88 @@
+"""Profiling on fake tensors: same memory as a real profile, no allocation, any size."""
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.profiling.targets import TARGETS, calibrate_cpu, get_target
+from remat.zoo import build
+
+
+class TinyTransformer(nn.Module):
+    """Attention + MLP blocks without data-dependent control flow."""
+
+    def __init__(self, layers=3, width=64, heads=4, vocab=256):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True) for _ in range(layers)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).logsumexp(-1).mean()
+
+
+def _compare(model, inputs, loss_fn=None):
+    real = remat.profile(model, inputs, loss_fn, repeat=1, warmup=0)
+    fake = remat.profile(model, inputs, loss_fn, fake=True, target="h100")
+    names = [b.name for b in real.blocks]
+    for assignment in ({}, {n: "full" for n in names}, {names[0]: "selective", names[-1]: "full"}):
+        r, f = real.predict_peak(assignment), fake.predict_peak(assignment)
+        assert abs(r - f) <= 0.01 * r, (assignment, r, f)
+    assert fake.fake and fake.target == "h100" and fake.resting_bytes == real.resting_bytes
+    return real, fake
+
+
+def test_fake_profile_memory_equals_real_seed_cnn():
+    zoo = build("seed-cifar", batch=8)
+    _compare(zoo.model, zoo.inputs, zoo.loss_fn)
+
+
+def test_fake_profile_memory_equals_real_transformer():
+    torch.manual_seed(0)
+    _, fake = _compare(TinyTransformer(), torch.randint(0, 256, (2, 32)))
+    assert all(b.fwd_flops > 0 and b.extra_time_s["full"] > 0 for b in fake.blocks)
+
+
+def test_fake_profile_leaves_the_model_alone():
+    zoo = build("seed-cifar", batch=4)
+    params = {n: p for n, p in zoo.model.named_parameters()}
+    values = {n: p.detach().clone() for n, p in params.items()}
+    rng = torch.get_rng_state()
+    remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, target="a100")
+    for n, p in zoo.model.named_parameters():
+        assert p is params[n] and torch.equal(p, values[n]) and p.grad is None
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_llama_7b_shape_profiles_without_allocating():
+    """Llama-2-7B shape (32 layers, hidden 4096, seq 4096), built on the meta device."""
+    tf = pytest.importorskip("transformers")
+    config = tf.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, use_cache=False)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(config)
+    ids = torch.randint(0, 32000, (1, 4096))
+    prof = remat.profile(model, {"input_ids": ids, "labels": ids}, fake=True, target="h100")
+    assert len(prof.blocks) == 32
+    params = sum(p.numel() for p in model.parameters())
+    assert prof.param_bytes == 4 * params and params > 6.7e9
+    plan = remat.plan(prof, "60GB")
+    assert plan.predicted_peak_bytes <= 60e9 < prof.baseline_peak_bytes
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_targets():
+    assert get_target("H100") is TARGETS["h100"]
+    with pytest.raises(remat.RematError, match="unknown target"):
+        get_target("tpu")
+    cpu = calibrate_cpu()
+    assert cpu.matmul_flops["float32"] > 1e8 and cpu.bytes_per_s > 1e8
+    with pytest.raises(remat.RematError, match="only applies to fake=True"):
+        zoo = build("seed-cifar", batch=2)
+        remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, target="h100")
