@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from remat.errors import RematError
@@ -15,7 +15,8 @@ from remat.profiling._types import Profile
 
 __all__ = ["Plan", "parse_budget", "plan"]
 
-PLAN_SCHEMA = 1
+PLAN_SCHEMA = 2
+_PLAN_SCHEMAS_READ = (1, 2)  # 1: before training, measured_peak_bytes and notes
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _ACCEPTED = "bytes (int), a string with units ('6GiB', '500MB'), or a fraction 0 < f <= 1 of the baseline peak"
@@ -41,6 +42,19 @@ class Plan:
     """``optimal`` or the hand-made strategy it reproduces."""
     model: str
     """Class name of the profiled model."""
+    training: bool | None = None
+    """The mode the profile ran in (True: training); apply warns when the model is in the other."""
+    measured_peak_bytes: int | None = None
+    """Peak of one real step with the plan applied, measured by ``remat.auto`` (None: not measured)."""
+    notes: tuple[str, ...] = ()
+    """What ``remat.auto`` did to make the plan fit (re-plans with a margin), in order."""
+
+    @property
+    def verified(self) -> bool:
+        """True when a real step with this plan was measured within its budget."""
+        return self.measured_peak_bytes is not None and (
+            self.budget_bytes is None or self.measured_peak_bytes <= self.budget_bytes
+        )
 
     @property
     def checkpointed(self) -> dict[str, str]:
@@ -58,6 +72,10 @@ class Plan:
             f"{human_bytes(self.predicted_peak_bytes)} ({saved:.0%} below {human_bytes(self.baseline_peak_bytes)} "
             f"without checkpointing) at +{self.predicted_overhead:.0%} step time."
         )
+        if self.measured_peak_bytes is not None:
+            verdict = "within the budget" if self.verified else "OVER the budget"
+            text += f" Measured peak of one real step: {human_bytes(self.measured_peak_bytes)} ({verdict})."
+        text += "".join(f" {note}" for note in self.notes)
         if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
             text += (" No plan lowers this model's peak by more than 1%: the peak is set where "
                      "recomputation rebuilds the same tensors (typically inside the first block's backward).")
@@ -70,14 +88,15 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Load and validate what :meth:`to_json` wrote."""
-        data = load_versioned(text, what="remat.Plan.from_json", schema=PLAN_SCHEMA)
+        data = load_versioned(text, what="remat.Plan.from_json", schema=_PLAN_SCHEMAS_READ)
         fields = set(cls.__dataclass_fields__)
-        if set(data) != fields:
+        required = {n for n, f in cls.__dataclass_fields__.items() if f.default is MISSING}
+        if not required <= set(data) <= fields:
             raise RematError(f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}.")
         bad = {b: p for b, p in data["assignment"].items() if p not in ("keep", "selective", "full")}
         if bad:
             raise RematError(f"remat.Plan.from_json: unknown policies {bad}; use keep, selective or full.")
-        return cls(**data)
+        return cls(**{**data, "notes": tuple(data.get("notes", ()))})
 
 
 def parse_budget(budget: Any, baseline_bytes: int) -> int:
@@ -135,6 +154,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
         budget_bytes=budget,
         strategy=strategy,
         model=profile.model,
+        training=profile.training,
     )
 
 

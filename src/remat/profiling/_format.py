@@ -28,15 +28,22 @@ def render(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([_row(header, widths), _row(["-" * w for w in widths], widths), *(_row(r, widths) for r in rows)])
 
 
-def load_versioned(text: str, *, what: str, schema: int) -> dict[str, Any]:
-    """The JSON object ``to_json`` wrote, without its ``schema`` key; a RematError for anything else."""
+def load_versioned(text: str, *, what: str, schema: int | tuple[int, ...]) -> dict[str, Any]:
+    """The JSON object ``to_json`` wrote, without its ``schema`` key; a RematError for anything else.
+
+    ``schema``: the version this remat writes, or every version it reads (the newest last).
+    """
+    readable = schema if isinstance(schema, tuple) else (schema,)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise RematError(f"{what}: not JSON ({exc}).") from None
     if not isinstance(data, dict):
         raise RematError(f"{what}: expected a JSON object, got {type(data).__name__}.")
-    if data.get("schema") != schema:
-        raise RematError(f"{what}: schema {data.get('schema')!r} is not supported; this remat reads {schema}.")
+    if data.get("schema") not in readable:
+        raise RematError(
+            f"{what}: schema {data.get('schema')!r} is not supported; this remat reads "
+            f"{' and '.join(map(str, readable))}."
+        )
     data.pop("schema")
     return data

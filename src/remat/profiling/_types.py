@@ -99,6 +99,8 @@ class Profile:
     """Cost-model target for fake profiles (``h100``, ``a100``, ``cpu``)."""
     notes: list[str] = field(default_factory=list)
     """Anything the user should know about this profile."""
+    training: bool | None = None
+    """The mode the step was profiled in (True: training); None in profiles saved before remat recorded it."""
 
     # -- the peak model --------------------------------------------------------
     def _check(self, assignment: Mapping[str, str] | Any | None) -> dict[str, str]:

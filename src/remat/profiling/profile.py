@@ -25,6 +25,7 @@ def profile(
     repeat: int = 3,
     fake: bool = False,
     target: Any = None,
+    training: bool | None = True,
 ) -> Profile:
     """Profile one training step of ``model`` on ``inputs`` under every policy.
 
@@ -42,9 +43,14 @@ def profile(
             Memory is exact; times come from ``target``'s roofline model.
         target: for fake profiles, ``"h100"``, ``"a100"``, ``"cpu"`` (default,
             calibrated once) or a :class:`remat.profiling.targets.Target`.
+        training: the mode to profile in: ``True`` (default) trains as the loop
+            will, whatever mode the model is in now (``from_pretrained`` returns
+            eval models; dropout and BatchNorm change what blocks keep); ``False``
+            profiles eval mode; ``None`` the model's modes as they are. The
+            model's modes are restored afterwards.
     """
     from remat.profiling._blocks import find_blocks
-    from remat.profiling._profile_run import run_profile, validate_policies
+    from remat.profiling._profile_run import validate_policies
 
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
@@ -55,14 +61,32 @@ def profile(
             "children); pass blocks=[...] with the module names to consider."
         )
     policies = validate_policies(policies)
+    if training is not None and not isinstance(training, bool):
+        raise RematError(f"remat.profile: training must be True, False or None, got {training!r}.")
+    if target is not None and not fake:
+        raise RematError(
+            f"remat.profile: target={target!r} only applies to fake=True; a real profile measures this device."
+        )
+    modes = {m: m.training for m in model.modules()}
+    try:
+        if training is not None:
+            model.train(training)
+        prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    prof.training = model.training if training is None else training
+    return prof
+
+
+def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tuple[str, ...], warmup: int,
+         repeat: int, fake: bool, target: Any) -> Profile:
+    from remat.profiling._profile_run import run_profile
+
     if fake:
         from remat.profiling._fake import run_fake_profile
         from remat.profiling.targets import Target, get_target
 
         spec = target if isinstance(target, Target) else get_target(target or "cpu")
         return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec)
-    if target is not None:
-        raise RematError(
-            f"remat.profile: target={target!r} only applies to fake=True; a real profile measures this device."
-        )
     return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat)
