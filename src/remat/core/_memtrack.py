@@ -85,6 +85,7 @@ class StorageTracker(TorchDispatchMode):
         self,
         known: Iterable[torch.Tensor] = (),
         on_op: Callable[[Any, tuple, dict, Any, float], None] | None = None,
+        on_free: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__()
         self.known = {st._cdata for t in known for st in storages(t)}
@@ -95,11 +96,15 @@ class StorageTracker(TorchDispatchMode):
         self.discovered = 0
         """Bytes of unlisted storages that existed before tracking (NOTE [Resting storages nobody listed])."""
         self.on_op = on_op
+        self.on_free = on_free
+        """Called with a storage's key right after it is freed (``current`` already lowered)."""
 
     def _freed(self, key: int, _ref: weakref.ref) -> None:
         nbytes = self.live.pop(key, 0)
         self._refs.pop(key, None)
         self.current -= nbytes
+        if self.on_free is not None and nbytes:
+            self.on_free(key)
 
     def _add(self, t: torch.Tensor) -> None:
         for st in storages(t):

@@ -59,14 +59,17 @@ def is_recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def recompute_observer(callback: Callable[[float], None]) -> Iterator[None]:
-    """Call ``callback(seconds)`` after every outermost recomputation on this thread (profiling)."""
-    previous = getattr(_local, "observer", None)
-    _local.observer = callback
+def recompute_observer(
+    callback: Callable[[float], None], on_start: Callable[[nn.Module | None], None] | None = None
+) -> Iterator[None]:
+    """Call ``on_start(module)`` before and ``callback(seconds)`` after every outermost recomputation on
+    this thread (profiling); ``module`` is the one whose forward is recomputed (None for a function)."""
+    previous = getattr(_local, "observer", None), getattr(_local, "observer_start", None)
+    _local.observer, _local.observer_start = callback, on_start
     try:
         yield
     finally:
-        _local.observer = previous
+        _local.observer, _local.observer_start = previous
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -302,6 +305,9 @@ class RecomputeContext:
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         depth = getattr(_local, "recomputing", 0)
+        on_start = getattr(_local, "observer_start", None)
+        if depth == 0 and on_start is not None:
+            on_start(self.region.owner)
         _local.recomputing = depth + 1
         start = time.perf_counter()
 

@@ -200,6 +200,31 @@ def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     return min(((profile.predict_peak(a), a) for a in candidates), key=lambda t: t[0])
 
 
+#: DP solves per plan when storages that cross blocks push a plan over its budget.
+_RESOLVES = 4
+
+
+def _solve_fitting(profile: Profile, chain: Any, limit: int) -> dict[str, str] | None:
+    """The DP's plan, checked with the full peak model; tightened where it is over, then greedy.
+
+    The DP sees each block's own segments only; a storage whose lifetime depends on
+    other blocks' policies (NOTE [Storages across blocks]) can put its plan over the
+    budget. Each re-solve lowers the DP's budget by the overshoot it missed; on chains
+    the first solve fits and the plan is exact as before.
+    """
+    target = limit
+    for _ in range(_RESOLVES):
+        found = solve(chain, target)
+        if found is None:
+            break
+        assignment = {b: chain.policies[j] for b, j in zip(chain.blocks, found[0])}
+        peak = profile.predict_peak(assignment)
+        if peak <= limit:
+            return assignment
+        target -= peak - limit
+    return _greedy(profile, limit)
+
+
 def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> Plan:
     """The plan of least predicted extra time whose predicted peak fits ``budget``.
 
@@ -233,11 +258,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
             "that, or lower the batch size / sequence length."
         )
     chain = chain_of(profile)
-    if chain is not None:
-        found = solve(chain, limit)
-        assignment = None if found is None else {b: chain.policies[j] for b, j in zip(chain.blocks, found[0])}
-    else:
-        assignment = _greedy(profile, limit)
+    assignment = _solve_fitting(profile, chain, limit) if chain is not None else _greedy(profile, limit)
     if assignment is None:
         # Rounding refuses budgets within a grid cell per block of the minimum; the
         # lowest-peak plan fits them by definition.

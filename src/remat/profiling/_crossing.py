@@ -9,16 +9,28 @@ every block, which kept blocks do not save (an ``add``) while checkpointed block
 hold it among their inputs until their backward. Composed from segments, such a
 tensor is freed twice or never (measured: +8% on a shared-bias MLP, issue #21).
 
-So the profile records every storage a block call receives that was created outside
-it and is not resting (a *crossing* storage): its size, the calls that receive it,
-and, per policy run, the segment in which it was freed and the most live bytes after
-the free in that segment. Under an assignment ``A`` it is freed at the later of
+A block's recomputation can also run outside its own backward: when one of its
+outputs feeds the loss directly (an auxiliary loss, deep supervision), that output's
+backward reaches into the block's graph during the loss's backward and recomputes
+the block there, and what it rebuilt stays live until the block's own backward. The
+profile records where each block's recomputation ran in each policy's run and what
+it added to live bytes; the walk moves it to where the block's policy under ``A``
+runs it (its excess added on the safe side: where in the segment it runs is not known).
 
-* where the keep run freed it: the Python lifetime and every holder that holds it
-  under any policy (glue that saves it; the first kept block that saves it holds it
-  as a checkpointed block too, among its inputs), and
-* the backward segment of every receiving call whose block is checkpointed under
-  ``A`` (remat's region holds a checkpointed call's inputs until its backward).
+So the profile records every storage a block call receives or returns that is not
+resting (a *crossing* storage): its size, the call that made it (if a block did), the
+calls that receive it, and, per policy run, the segment in which it was freed and the
+most live bytes after the free in that segment. In the run of policy ``p`` it is freed
+at the latest release of its holders: the Python lifetime and glue that saves it (the
+same in every run), the block that made it (a kept block may save its own output, a
+checkpointed one may not), and the receiving blocks (a kept block may save its input;
+a checkpointed one holds it among its inputs until its backward). Under an assignment
+``A`` it is freed, on the safe side and exactly where holders are known, at the latest of
+
+* the run of the producer's policy (glue-made storages: the earliest of all runs,
+  which holds only what every run holds): the producer's and glue's holds;
+* the backward segment of every receiving call checkpointed under ``A``;
+* the keep run, when some receiving call is kept under ``A`` (it may save it).
 
 The walk then undoes each run's own free of it where ``A`` frees it elsewhere (the
 storage stays live: the bytes after the run's free are raised by its size) and
@@ -41,6 +53,8 @@ class Crossing:
 
     nbytes: int
     """Size of the storage."""
+    producer: Key | None
+    """Forward segment key of the block call that returned it (None: made by glue)."""
     receivers: tuple[Key, ...]
     """Forward segment keys of the block calls that receive it."""
     freed: dict[str, Key | None]
@@ -49,35 +63,76 @@ class Crossing:
     """Per policy: most live bytes above that segment's start, after the free, in that run."""
 
     def to_json(self) -> dict:
-        return {"nbytes": self.nbytes, "receivers": [list(k) for k in self.receivers],
+        return {"nbytes": self.nbytes, "producer": None if self.producer is None else list(self.producer),
+                "receivers": [list(k) for k in self.receivers],
                 "freed": {p: None if k is None else list(k) for p, k in self.freed.items()}, "after": self.after}
 
     @classmethod
     def from_json(cls, data: dict) -> Crossing:
-        return cls(int(data["nbytes"]), tuple(tuple(k) for k in data["receivers"]),
+        producer = data.get("producer")
+        return cls(int(data["nbytes"]), None if producer is None else tuple(producer),
+                   tuple(tuple(k) for k in data["receivers"]),
                    {p: None if k is None else tuple(k) for p, k in data["freed"].items()},
                    {p: int(v) for p, v in data["after"].items()})
 
 
+_NEVER = 1 << 62  # freed after the step (outlived it): later than any segment
+
+
 def _free_position(c: Crossing, assignment: Mapping[str, str], position: Mapping[Key, int]) -> int | None:
-    """Index in the walk of the segment where ``assignment`` frees ``c`` (None: never in the step)."""
-    kept = c.freed.get("keep")
-    if kept is None and "keep" in c.freed:
-        return None  # something outside the step holds it
-    latest = position.get(kept, -1) if kept is not None else -1
+    """Index in the walk of the segment where ``assignment`` frees ``c`` (None: not within the step)."""
+
+    def freed_in(policy: str) -> int:
+        key = c.freed.get(policy)
+        return _NEVER if key is None else position.get(key, -1)
+
+    if c.producer is not None:
+        latest = freed_in(assignment.get(c.producer[1], "keep"))
+    else:
+        latest = min(freed_in(p) for p in c.freed)
     for _, block, occurrence in c.receivers:
-        if block is not None and assignment.get(block, "keep") != "keep":
+        if assignment.get(block, "keep") == "keep":
+            latest = max(latest, freed_in("keep"))
+        else:
             latest = max(latest, position.get(("bwd", block, occurrence), -1))
-    return latest if latest >= 0 else None
+    return None if latest >= _NEVER or latest < 0 else latest
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Where the k-th recomputation of a block ran in each policy's run, and its cost in live bytes."""
+
+    block: str
+    index: int
+    at: dict[str, Key]
+    """Per policy whose run recomputed it: the segment it ran in."""
+    delta: dict[str, int]
+    """Per policy: live bytes after it minus before (what it rebuilt and keeps for the block's backward)."""
+    excess: dict[str, int]
+    """Per policy: most live bytes during it above its start."""
+
+    def to_json(self) -> dict:
+        return {"block": self.block, "index": self.index, "at": {p: list(k) for p, k in self.at.items()},
+                "delta": self.delta, "excess": self.excess}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Recompute:
+        return cls(data["block"], int(data["index"]), {p: tuple(k) for p, k in data["at"].items()},
+                   {p: int(v) for p, v in data["delta"].items()}, {p: int(v) for p, v in data["excess"].items()})
 
 
 def corrections(
-    crossings: Sequence[Crossing], steps: Sequence[tuple[Key, str]], assignment: Mapping[str, str]
-) -> dict[int, tuple[int, int]]:
-    """Per walk index: (bytes to add to the delta, excess it must at least reach).
+    crossings: Sequence[Crossing],
+    recomputes: Sequence[Recompute],
+    steps: Sequence[tuple[Key, str]],
+    assignment: Mapping[str, str],
+) -> dict[int, tuple[int, int, int]]:
+    """Per walk index: (bytes to add to the delta, excess it must at least reach, bytes to add to the excess).
 
     ``steps`` is the walk: (segment key, the policy of the run it is taken from).
     """
+    if not crossings and not recomputes:
+        return {}
     position = {key: i for i, (key, _) in enumerate(steps)}
     kept_live: dict[int, list[Crossing]] = {}
     out: dict[int, list[int]] = {}
@@ -87,11 +142,24 @@ def corrections(
         for i in run_frees - {at}:  # the run freed it here, the assignment does not
             kept_live.setdefault(i, []).append(c)
         if at is not None and at not in run_frees:  # the assignment frees it here, the run did not
-            out.setdefault(at, [0, 0])[0] -= c.nbytes
+            out.setdefault(at, [0, 0, 0])[0] -= c.nbytes
     for i, kept in kept_live.items():
         policy = steps[i][1]
         added = sum(c.nbytes for c in kept)
-        entry = out.setdefault(i, [0, 0])
+        entry = out.setdefault(i, [0, 0, 0])
         entry[0] += added
         entry[1] = max(c.after[policy] for c in kept) + added
-    return {i: (d, e) for i, (d, e) in out.items()}
+    for r in recomputes:
+        mine = assignment.get(r.block, "keep")
+        for policy, key in r.at.items():
+            i = position.get(key)
+            if i is None:
+                continue
+            taken_from = steps[i][1]
+            if taken_from == policy and policy != mine:  # the run recomputed it here, the assignment does not
+                out.setdefault(i, [0, 0, 0])[0] -= r.delta[policy]
+            elif policy == mine and taken_from != mine:  # the assignment recomputes it here, that run did not
+                entry = out.setdefault(i, [0, 0, 0])
+                entry[0] += r.delta[policy]
+                entry[2] += max(r.excess[policy], 0)
+    return {i: (d, e, x) for i, (d, e, x) in out.items()}

@@ -75,14 +75,16 @@ def run_fake_profile(
     fake_inputs = tree_map(lambda t: _fake_like(mode, t) if isinstance(t, torch.Tensor) else t, inputs)
     try:
         with _FakeWeights(model, mode), cache_disabled(model):
-            traced, io_bytes = {}, {}
+            traced, io_bytes, crossings = {}, {}, {}
             for policy in policies:
                 switch.set(policy)
                 with mode:
-                    traced[policy], io, _ = traced_step(model, fake_inputs, loss_fn, names, op_cost=target.op_seconds)
+                    traced[policy], io, _, crossings[policy] = traced_step(
+                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds
+                    )
                 io_bytes = io_bytes or io
             return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [],
-                             fake=True, target=target.name, device=f"{target.name} (fake)")
+                             fake=True, target=target.name, device=f"{target.name} (fake)", crossings=crossings)
     except torch._subclasses.fake_tensor.DataDependentOutputException as exc:
         raise RematError(
             f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "

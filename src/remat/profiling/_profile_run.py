@@ -19,6 +19,10 @@ from remat.core._timing import extra_time, forward_slowdown
 from remat.core.checkpoint import POLICIES, wrap
 from remat.errors import RematError
 from remat.profiling._trace import OpCost, Segment, SegmentRecorder
+from remat.profiling._crossing import Crossing, Recompute
+
+Ledger = tuple[dict[tuple, dict], dict[tuple, dict]]
+"""What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 
@@ -57,14 +61,15 @@ def _resting(model: nn.Module, inputs: Any) -> list:
 
 def traced_step(
     model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None
-) -> tuple[list[Segment], dict[str, tuple[int, int]], int]:
-    """Segments, block I/O bytes and the peak above resting bytes of one tracked step."""
+) -> tuple[list[Segment], dict[str, tuple[int, int]], int, Ledger]:
+    """Segments, block I/O bytes, the peak above resting bytes, and the crossing storages and block
+    recomputations of one tracked step (NOTE [Storages across blocks])."""
     gc.collect()
     tracker = StorageTracker(known=_resting(model, inputs))
     recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost)
     with recorder, tracker:
         _run_step(model, inputs, loss_fn, recorder)
-    return recorder.segments, recorder.io_bytes, tracker.peak
+    return recorder.segments, recorder.io_bytes, tracker.peak, (recorder.crossings, recorder.recomputes)
 
 
 def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str]) -> list[Segment]:
@@ -159,9 +164,10 @@ def run_profile(
         try:
             traced: dict[str, list[Segment]] = {}
             io_bytes: dict[str, tuple[int, int]] = {}
+            crossings: dict[str, Ledger] = {}
             for policy in policies:
                 switch.set(policy)
-                traced[policy], io, _ = traced_step(model, inputs, loss_fn, names)
+                traced[policy], io, _, crossings[policy] = traced_step(model, inputs, loss_fn, names)
                 io_bytes = io_bytes or io
                 state.restore()
             _check_same_structure(traced)
@@ -182,7 +188,8 @@ def run_profile(
         finally:
             switch.restore()
             state.restore()
-        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps, recompute=recompute)
+        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps, recompute=recompute,
+                         crossings=crossings)
 
 
 def _assemble(
@@ -199,6 +206,7 @@ def _assemble(
     fake: bool = False,
     target: str | None = None,
     device: str | None = None,
+    crossings: dict[str, Ledger] | None = None,
 ) -> Profile:
     def seconds_of(policy: str, seg: Segment) -> float:
         if fake:
@@ -225,9 +233,42 @@ def _assemble(
         fwd_order=[s.key for s in keep if s.phase == "fwd"],
         bwd_order=[s.key for s in keep if s.phase == "bwd"],
         segments=segments,
+        crossings=_crossings({p: ledger[0] for p, ledger in (crossings or {}).items()}),
+        recomputes=_recomputes({p: ledger[1] for p, ledger in (crossings or {}).items()}),
         fake=fake,
         target=target,
     )
+
+
+def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:
+    """One :class:`Crossing` per storage seen in every policy's run (matched by first sighting)."""
+    if "keep" not in per_policy:
+        return []
+    out = []
+    for ident, record in per_policy["keep"].items():
+        if all(ident in runs for runs in per_policy.values()):
+            out.append(Crossing(
+                nbytes=record["nbytes"],
+                producer=record["producer"],
+                receivers=tuple(record["receivers"]),
+                freed={p: runs[ident]["freed"] for p, runs in per_policy.items()},
+                after={p: runs[ident]["after"] for p, runs in per_policy.items()},
+            ))
+    return out
+
+
+def _recomputes(per_policy: dict[str, dict[tuple, dict]]) -> list[Recompute]:
+    """One :class:`Recompute` per (block, k-th recomputation) seen in any policy's run."""
+    idents = dict.fromkeys(i for runs in per_policy.values() for i in runs)
+    return [
+        Recompute(
+            block=block, index=k,
+            at={p: runs[(block, k)]["segment"] for p, runs in per_policy.items() if (block, k) in runs},
+            delta={p: runs[(block, k)]["delta"] for p, runs in per_policy.items() if (block, k) in runs},
+            excess={p: runs[(block, k)]["excess"] for p, runs in per_policy.items() if (block, k) in runs},
+        )
+        for block, k in idents
+    ]
 
 
 def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from remat.core._memtrack import StorageTracker, storage_bytes
+from remat.core._memtrack import StorageTracker, storage_bytes, storages
 from remat.core._region import recompute_observer
 from remat.core.checkpoint import SAVE_OPS
 
@@ -95,8 +95,17 @@ class SegmentRecorder:
         self._counts: dict[tuple[str, str | None], int] = {}
         self._handles: list[Any] = []
         self._current: Segment | None = None
+        self.crossings: dict[tuple, dict[str, Any]] = {}
+        """Storages block calls receive from outside them, by first sighting (NOTE [Storages across blocks])."""
+        self._crossing_of: dict[int, tuple] = {}
+        self._freed_here: list[dict[str, Any]] = []
+        self.recomputes: dict[tuple[str, int], dict[str, Any]] = {}
+        """Each block's recomputations: (block, k-th) -> segment it ran in, delta and excess of live bytes."""
+        self._recomputing: list[Any] | None = None
+        self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
         if tracker is not None:
             tracker.on_op = self._on_op
+            tracker.on_free = self._on_free
 
     # -- segment bookkeeping ---------------------------------------------------
     def _live(self) -> int:
@@ -108,7 +117,9 @@ class SegmentRecorder:
             seg.end_live = self._live()
             seg.max_live = max(seg.max_live, seg.end_live)
             seg.seconds = time.perf_counter() - seg.seconds
+            self._raise_after(seg.end_live - seg.start_live)
         self._current = None
+        self._freed_here = []
 
     def begin(self, phase: str, block: str | None, occurrence: int | None = None) -> None:
         self._close()
@@ -122,11 +133,55 @@ class SegmentRecorder:
     def finish(self) -> None:
         self._close()
 
+    # -- crossing storages (NOTE [Storages across blocks] in remat.profiling._crossing) --
+    def _note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict) -> None:
+        if self.tracker is None:
+            return
+        for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs)):
+            self.crossings[ident]["receivers"].append(("fwd", block, occurrence))
+
+    def _note_outputs(self, block: str, occurrence: int, output: Any) -> None:
+        if self.tracker is None:
+            return
+        for ident in self._crossing_ids(block, occurrence, "out", output):
+            record = self.crossings[ident]
+            if record["producer"] is None and ident[2] == "out":
+                record["producer"] = ("fwd", block, occurrence)
+
+    def _crossing_ids(self, block: str, occurrence: int, side: str, value: Any) -> list[tuple]:
+        """Identities of the tracked storages in ``value``, by first sighting (stable across runs)."""
+        keys = dict.fromkeys(st._cdata for t in tensors_in(value) for st in storages(t))
+        out = []
+        for j, key in enumerate(k for k in keys if k in self.tracker.live):
+            ident = self._crossing_of.get(key)
+            if ident is None:
+                ident = self._crossing_of[key] = (block, occurrence, side, j)
+                self.crossings[ident] = {"nbytes": self.tracker.live[key], "producer": None, "receivers": [],
+                                         "freed": None, "after": 0}
+            out.append(ident)
+        return out
+
+    def _on_free(self, key: int) -> None:
+        ident = self._crossing_of.pop(key, None)
+        if ident is None or self._current is None:
+            return
+        record = self.crossings[ident]
+        record["freed"] = self._current.key
+        record["after"] = self.tracker.current - self._current.start_live
+        self._freed_here.append(record)
+
+    def _raise_after(self, relative: int) -> None:
+        for record in self._freed_here:
+            record["after"] = max(record["after"], relative)
+
     def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, seconds: float) -> None:
         seg = self._current
         if seg is None:
             return
         seg.max_live = max(seg.max_live, self.tracker.current)
+        self._raise_after(self.tracker.current - seg.start_live)
+        if self._recomputing is not None:
+            self._recomputing[2] = max(self._recomputing[2], self.tracker.current)
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops
@@ -140,6 +195,7 @@ class SegmentRecorder:
     def _pre_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.begin("fwd", name)
+            self._note_inputs(name, self._current.occurrence, args, kwargs)
             if name not in self.io_bytes:
                 self.io_bytes[name] = (storage_bytes(tensors_in((args, kwargs))), 0)
 
@@ -149,6 +205,7 @@ class SegmentRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             occurrence = self._current.occurrence if self._current is not None else 0
             outs = tensors_in(output)
+            self._note_outputs(name, occurrence, output)
             self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs))
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)
@@ -157,12 +214,23 @@ class SegmentRecorder:
 
         return hook
 
+    def _on_recompute_start(self, owner: nn.Module | None) -> None:
+        live = self._live()
+        self._recomputing = [self._names.get(id(owner)), live, live]
+
     def _on_recompute(self, seconds: float) -> None:
         if self._current is not None:
             self._current.recompute_s += seconds
+        event, self._recomputing = self._recomputing, None
+        if event is None or event[0] is None or self.tracker is None or self._current is None:
+            return
+        block, start, top = event
+        k = sum(1 for b, _ in self.recomputes if b == block)
+        self.recomputes[(block, k)] = {"segment": self._current.key, "delta": self._live() - start,
+                                       "excess": max(top, self._live()) - start}
 
     def __enter__(self) -> SegmentRecorder:
-        self._observing = recompute_observer(self._on_recompute)
+        self._observing = recompute_observer(self._on_recompute, self._on_recompute_start)
         self._observing.__enter__()
         for name in self.blocks:
             module = self.modules[name]

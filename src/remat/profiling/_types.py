@@ -6,13 +6,17 @@ Measurements show the peak of a training step often sits in backward, not at
 the end of forward (measurements.md, point 1), so bytes saved for backward alone
 mislead. The profiler runs one traced step per policy with every block under
 that policy, cut into segments (``remat.profiling._trace``). For each segment it keeps
-the change in live bytes (delta) and the most above its start (excess). A
-block's behaviour depends on its own policy only, so the live bytes of any
-assignment are composed by walking the forward segments, then the backward
-segments, each taken from the run of its block's policy; glue takes the policy
-of the block before it. The peak is the largest ``live + excess`` on the walk.
-Uniform assignments reproduce their own run exactly; mixed ones are checked
-against measurement in the tests (within 5%).
+the change in live bytes (delta) and the most above its start (excess). The live
+bytes of any assignment are composed by walking the forward segments, then the
+backward segments, each taken from the run of its block's policy; glue takes the
+policy of the block before it. The peak is the largest ``live + excess`` on the walk.
+That alone is exact only where a segment depends on its own block's policy; storages
+whose lifetime depends on other blocks' policies (a mask given to every block, a
+block output the loss also reads) and recomputations that run outside their block's
+backward are moved to where the assignment puts them (NOTE [Storages across blocks]
+in ``remat.profiling._crossing``). Uniform assignments reproduce their own run
+exactly; mixed ones are tested against measurement: to the byte on the zoo, never
+under on generated DAGs (``tests/planning/test_dataflow_properties.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from remat.errors import RematError
+from remat.profiling._crossing import Crossing, Recompute, corrections
 from remat.profiling._format import human_bytes, load_versioned, render
 
 __all__ = ["BlockProfile", "Profile", "SegmentCost"]
@@ -101,6 +106,11 @@ class Profile:
     """Anything the user should know about this profile."""
     training: bool | None = None
     """The mode the step was profiled in (True: training); None in profiles saved before remat recorded it."""
+    crossings: list[Crossing] = field(default_factory=list)
+    """Storages blocks receive from outside them, whose lifetime depends on other blocks' policies
+    (NOTE [Storages across blocks] in ``remat.profiling._crossing``)."""
+    recomputes: list[Recompute] = field(default_factory=list)
+    """Where each block's recomputation ran in each policy's run, and what it added to live bytes."""
 
     # -- the peak model --------------------------------------------------------
     def _check(self, assignment: Mapping[str, str] | Any | None) -> dict[str, str]:
@@ -130,11 +140,15 @@ class Profile:
 
     def timeline(self, assignment: Mapping[str, str] | Any | None = None) -> list[tuple[Key, int, int]]:
         """(segment, live bytes at its start, most live inside it) along the composed step."""
+        assignment = self._check(assignment)
+        steps = self._segment_policies(assignment)
+        fixes = corrections(self.crossings, self.recomputes, steps, assignment)
         live, out = self.resting_bytes, []
-        for key, policy in self._segment_policies(self._check(assignment)):
+        for i, (key, policy) in enumerate(steps):
             cost = self.segments[policy][key]
-            out.append((key, live, live + cost.excess))
-            live += cost.delta
+            added, at_least, extra = fixes.get(i, (0, 0, 0))
+            out.append((key, live, live + max(cost.excess, at_least) + extra))
+            live += cost.delta + added
         return out
 
     def predict_peak(self, assignment: Mapping[str, str] | Any | None = None) -> int:
@@ -164,6 +178,8 @@ class Profile:
         data["segments"] = {p: [[list(k), asdict(c)] for k, c in segs.items()] for p, segs in self.segments.items()}
         data["fwd_order"] = [list(k) for k in self.fwd_order]
         data["bwd_order"] = [list(k) for k in self.bwd_order]
+        data["crossings"] = [c.to_json() for c in self.crossings]
+        data["recomputes"] = [r.to_json() for r in self.recomputes]
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -175,6 +191,8 @@ class Profile:
         data["fwd_order"] = [tuple(k) for k in data["fwd_order"]]
         data["bwd_order"] = [tuple(k) for k in data["bwd_order"]]
         data["segments"] = {p: {tuple(k): SegmentCost(**c) for k, c in segs} for p, segs in data["segments"].items()}
+        data["crossings"] = [Crossing.from_json(c) for c in data.get("crossings", [])]
+        data["recomputes"] = [Recompute.from_json(r) for r in data.get("recomputes", [])]
         return cls(**data)
 
 
