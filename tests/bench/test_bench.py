@@ -150,3 +150,27 @@ def test_compile_budget_outside_zero_one_is_an_error_before_any_work():
     zoo = build("gpt2", **QUICK["gpt2"])
     with pytest.raises(remat.RematError, match=r"outside \[0, 1\]"):
         bench_model(zoo, compile_budgets=(1.5,))
+
+
+def test_max_batch_profiles_only_where_a_scaled_profile_is_not_enough(monkeypatch):
+    # NOTE [Profiles across batch sizes]: after two real profiles, later batch sizes are
+    # planned from a scaled profile and settled by measuring the plan.
+    zoo = build("llama", **QUICK["llama"])
+    budget = int(remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes * 1.6)
+    profiled: list[int] = []
+    real_profile = remat.profile
+
+    def counting(model, inputs, *args, **kwargs):  # noqa: ANN001, ANN202
+        profiled.append(inputs["input_ids"].shape[0])
+        return real_profile(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(remat, "profile", counting)
+    result = max_batch("llama", budget, strategies=("remat",), options=QUICK["llama"])
+    tried = result.tried["remat"]
+    assert len(profiled) < len(tried) and profiled[:2] == tried[:2]
+    assert result.peaks["remat"] <= budget and result.batches["remat"] > QUICK["llama"]["batch"]
+    # The answer is the one real profiles give: one batch more does not fit with a plan made from its own profile.
+    above = build("llama", **{**QUICK["llama"], "batch": result.batches["remat"] + 1})
+    prof = real_profile(above.model, above.inputs, above.loss_fn, repeat=1, warmup=0)
+    with pytest.raises(remat.RematError):
+        remat.plan(prof, budget)

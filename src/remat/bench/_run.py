@@ -45,6 +45,8 @@ from remat.core.measure import measure_peak
 from remat.errors import RematError
 from remat.planning.plan import Plan
 from remat.profiling._blocks import find_blocks
+from remat.profiling._scale import profile_at_batch
+from remat.profiling._types import Profile
 
 __all__ = ["bench_model", "max_batch", "run_bench", "search_max", "QUICK"]
 
@@ -261,15 +263,49 @@ def search_max(fits: Callable[[int], bool], *, start: int = 1, limit: int = 4096
     return lo, tried
 
 
-def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int]) -> bool:
+def _scaled_profile(profiles: dict[int, Profile], batch: int) -> Profile | None:
+    """A profile for ``batch`` from the two real ones nearest to it (NOTE [Profiles across batch sizes])."""
+    if len(profiles) < 2:
+        return None
+    b1, b2 = sorted(profiles, key=lambda b: (abs(b - batch), b))[:2]
+    try:
+        return profile_at_batch(profiles[b1], b1, profiles[b2], b2, batch)
+    except RematError:
+        return None
+
+
+def _plan_or_none(prof: Profile, budget: int) -> Plan | None:
+    try:
+        return remat.plan(prof, budget)
+    except RematError:
+        return None
+
+
+def _remat_fits(zoo: ZooModel, blocks: list[str], budget: int, batch: int, peaks: dict[int, int],
+                profiles: dict[int, Profile]) -> bool:
+    # A plan from a scaled profile that measures within the budget settles it; otherwise
+    # profile this batch for real, as before, so the answer never rests on the scaling.
+    scaled = _scaled_profile(profiles, batch)
+    plan = _plan_or_none(scaled, budget) if scaled is not None else None
+    if plan is not None:
+        peak = _peak(zoo, remat_plan(plan, "remat"))
+        if peak <= budget:
+            peaks[batch] = peak
+            return True
+    profiles[batch] = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=blocks, repeat=1, warmup=0)
+    plan = _plan_or_none(profiles[batch], budget)
+    if plan is None:
+        return False
+    peaks[batch] = _peak(zoo, remat_plan(plan, "remat"))
+    return peaks[batch] <= budget
+
+
+def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int],
+          profiles: dict[int, Profile]) -> bool:
     zoo = build(name, **{**options, "batch": batch})
     blocks = list(zoo.blocks) or find_blocks(zoo.model)
     if strategy == "remat":
-        prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=blocks, repeat=1, warmup=0)
-        try:
-            setup = remat_plan(remat.plan(prof, budget), "remat")
-        except RematError:
-            return False
+        return _remat_fits(zoo, blocks, budget, batch, peaks, profiles)
     else:
         none, every, *_ = baselines(zoo.model, blocks)
         setup = {"none": none, "every-block": every}[strategy]
@@ -289,7 +325,8 @@ def max_batch(name: str, budget_bytes: int, *, strategies: Sequence[str] = ("non
         if progress:
             progress(f"{name}: max batch with {strategy}", i, len(strategies))
         seen: dict[int, int] = {}
+        profiles: dict[int, Profile] = {}
         batches[strategy], tried[strategy] = search_max(
-            lambda b: _fits(name, options, strategy, budget_bytes, b, seen), limit=limit)
+            lambda b: _fits(name, options, strategy, budget_bytes, b, seen, profiles), limit=limit)
         peaks[strategy] = seen.get(batches[strategy], 0)
     return MaxBatchResult(name, budget_bytes, batches, peaks, tried)
