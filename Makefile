@@ -2,12 +2,16 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The exact CPU wheel on disk, installed before remat: pyproject only asks for torch>=2.4
+# (remat installs beside a user's CUDA build), which pip could satisfy with a multi-GB CUDA wheel.
+TORCH ?= torch==2.13.0
 
 .PHONY: setup demo test bench clean
 
 $(BIN)/remat: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,models,plot]'
 	touch $@
 

@@ -8,7 +8,7 @@ import remat
 from remat.bench import QUICK, bench_model, max_batch, run_bench, search_max
 from remat.bench._report import plot, targets
 from remat.bench._run import _compiled_graphs, _peak
-from remat.bench._setups import every_block, no_checkpointing, torch_compile
+from remat.bench._setups import every_block, hf_checkpointing_on, no_checkpointing, torch_compile
 from remat.core._step import training_step
 from remat.zoo import ZooModel, build
 
@@ -112,9 +112,9 @@ def test_every_block_on_hugging_face_leaves_no_hooks_behind():
     embeddings = zoo.model.get_input_embeddings()
     for _ in range(3):
         every.on(zoo.model)
-        assert zoo.model.is_activation_checkpointing and len(embeddings._forward_hooks) == 1
+        assert hf_checkpointing_on(zoo.model) and len(embeddings._forward_hooks) == 1
         every.off(zoo.model)
-        assert len(embeddings._forward_hooks) == 0 and not zoo.model.is_activation_checkpointing
+        assert len(embeddings._forward_hooks) == 0 and not hf_checkpointing_on(zoo.model)
     assert "_require_grads_hook" not in vars(zoo.model)
 
 

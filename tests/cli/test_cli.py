@@ -5,6 +5,7 @@ on the same small model; times differ from run to run and are only checked for s
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,9 +21,15 @@ GPT2_KW = dict(layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256)
 FAST = ["--repeat", "1"]  # one timed step per policy: memory does not depend on it
 
 
+# The remat these tests imported, also when it comes from a relative PYTHONPATH and cwd changes.
+_SRC = os.path.dirname(os.path.dirname(os.path.abspath(remat.__file__)))
+_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SRC, os.environ.get("PYTHONPATH")]))}
+
+
 def run_cli(*args, timeout=600, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        env=_ENV,
     )
 
 

@@ -18,14 +18,19 @@ from remat.core import _rng
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("remat_test::fused_dropout", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+# torch.library.define with tags (torch >= 2.2) rather than custom_op(tags=...), which torch 2.4 lacks.
+torch.library.define("remat_test::fused_dropout", "(Tensor x, float p) -> (Tensor, Tensor)",
+                     tags=(torch.Tag.nondeterministic_seeded,))
+
+
+@torch.library.impl("remat_test::fused_dropout", "CompositeExplicitAutograd")
+def _fused_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Dropout drawn inside one op, like CUDA's fused attention kernels."""
     mask = torch.bernoulli(torch.full_like(x, 1 - p))
     return x * mask / (1 - p), mask
 
 
-@fused_dropout.register_fake
+@torch.library.register_fake("remat_test::fused_dropout")
 def _(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
 
@@ -38,7 +43,8 @@ def _fused_setup(ctx, inputs, output):  # noqa: ANN001
     ctx.mask, ctx.p = output[1], inputs[1]
 
 
-fused_dropout.register_autograd(_fused_backward, setup_context=_fused_setup)
+torch.library.register_autograd("remat_test::fused_dropout", _fused_backward, setup_context=_fused_setup)
+fused_dropout = torch.ops.remat_test.fused_dropout
 
 
 class TwoDropouts(nn.Module):

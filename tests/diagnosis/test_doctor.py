@@ -523,11 +523,12 @@ def test_modules_torch_imports_lazily_during_the_doctor_do_not_keep_its_stand_in
 
 @pytest.mark.parametrize("how", ["hf", "remat"])
 def test_hugging_face_layers_are_labelled_by_the_api_that_checkpoints_them(how):
+    from remat.bench._setups import _hf_prefix
     from remat.zoo import build
 
     zoo = build("gpt2", layers=2, hidden=32, heads=2, vocab=128, seq=16, batch=2)
-    if how == "hf":
-        zoo.model.activation_checkpointing_enable({"use_reentrant": False})
+    if how == "hf":  # activation_* in transformers 5.2x, gradient_* in 4.x and 5.17 (bench._setups._hf_prefix)
+        getattr(zoo.model, f"{_hf_prefix(zoo.model)}_checkpointing_enable")({"use_reentrant": False})
     else:
         remat.apply(zoo.model, remat.plan(remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0),
                                           strategy="all"))

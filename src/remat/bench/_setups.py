@@ -50,17 +50,40 @@ def _clear(modules: Sequence[nn.Module]) -> None:
         m.__dict__.pop("forward", None)
 
 
+def _hf_prefix(model: nn.Module) -> str | None:
+    """``activation`` or ``gradient``: how this transformers version names its checkpointing switch.
+
+    NOTE [transformers renamed gradient checkpointing]
+    transformers 5.2x calls it ``activation_checkpointing_enable`` /
+    ``is_activation_checkpointing`` (the ``gradient_*`` names are deprecated aliases
+    that warn); 4.x and 5.17 only have ``gradient_checkpointing_enable`` /
+    ``is_gradient_checkpointing``. None when the model has neither.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    for prefix in ("activation", "gradient"):
+        if callable(getattr(type(model), f"{prefix}_checkpointing_enable", None)):
+            return prefix
+    return None
+
+
+def hf_checkpointing_on(model: nn.Module) -> bool:
+    """True while transformers' own checkpointing is on (under either name)."""
+    prefix = _hf_prefix(model)
+    flag = getattr(model, f"is_{prefix}_checkpointing", False) if prefix else False
+    return bool(flag() if callable(flag) else flag)
+
+
 def every_block(blocks: Sequence[nn.Module]) -> Setup:
     """torch's non-reentrant checkpoint on every block (what HF's gradient_checkpointing_enable does)."""
     hooks_before: list[Any] = []
 
     def on(model: nn.Module) -> None:
-        # transformers 5 names it activation_checkpointing_enable (gradient_* is a deprecated alias).
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if getattr(model, "supports_gradient_checkpointing", False) and enable is not None:
+        prefix = _hf_prefix(model)
+        if prefix is not None:
             hooks_before[:] = getattr(model, "_require_grads_hooks", None) or []
             try:
-                enable({"use_reentrant": False})
+                getattr(model, f"{prefix}_checkpointing_enable")({"use_reentrant": False})
                 return
             except ValueError:  # transformers 5 refuses it for ResNet; do what it would do
                 pass
@@ -68,9 +91,8 @@ def every_block(blocks: Sequence[nn.Module]) -> Setup:
             _torch_forward(b)
 
     def off(model: nn.Module) -> None:
-        flag = getattr(model, "is_activation_checkpointing", False)
-        if flag() if callable(flag) else flag:
-            model.activation_checkpointing_disable()
+        if hf_checkpointing_on(model):
+            getattr(model, f"{_hf_prefix(model)}_checkpointing_disable")()
             _remove_input_grad_hooks(model, hooks_before)
         _clear(blocks)
 
