@@ -29,12 +29,12 @@ class TinyTransformer(nn.Module):
 
 def _compare(model, inputs, loss_fn=None):
     real = remat.profile(model, inputs, loss_fn, repeat=1, warmup=0)
-    fake = remat.profile(model, inputs, loss_fn, fake=True, target="h100")
+    fake = remat.profile(model, inputs, loss_fn, fake=True, target="cpu")  # CPU kernels, as the real run
     names = [b.name for b in real.blocks]
     for assignment in ({}, {n: "full" for n in names}, {names[0]: "selective", names[-1]: "full"}):
         r, f = real.predict_peak(assignment), fake.predict_peak(assignment)
         assert abs(r - f) <= 0.01 * r, (assignment, r, f)
-    assert fake.fake and fake.target == "h100" and fake.resting_bytes == real.resting_bytes
+    assert fake.fake and fake.target == "cpu" and fake.resting_bytes == real.resting_bytes
     return real, fake
 
 

@@ -157,3 +157,20 @@ def test_seed_cnn_peak_sits_in_the_first_blocks_backward(profiles):
     assert prof.predict_peak({b.name: "full" for b in prof.blocks}) == prof.baseline_peak_bytes
     key, _, top = max(prof.timeline(), key=lambda t: t[2])
     assert key == ("bwd", "cnn_block_1", 0) and top == prof.baseline_peak_bytes
+
+
+def test_autocast_weight_casts_are_freed_by_the_blocks_that_made_them():
+    """Under autocast the cache keeps a checkpointed block's bf16 weight copies until forward ends;
+    the copies freed there depend on every block's policy, not the last block's (the peak model's
+    NOTE on autocast's weight casts)."""
+    from remat.bench._gpu_truth import autocast_forward
+
+    zoo = build("llama", layers=4, hidden=128, intermediate=344, heads=4, kv_heads=2, vocab=256, seq=64, batch=2)
+    autocast_forward(zoo.model, torch.bfloat16)
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0)
+    names = [b.name for b in prof.blocks]
+    assert any(c.cast_release for c in prof.segments["full"].values())  # the cache did free copies
+    for assignment in ({n: "full" for n in names[:2]}, {n: "full" for n in names[2:]},
+                       {n: ("full", "keep")[i % 2] for i, n in enumerate(names)}, {names[0]: "selective"}):
+        predicted, measured = prof.predict_peak(assignment), _measured(zoo, assignment)
+        assert abs(predicted - measured) <= 0.01 * measured, (assignment, predicted, measured)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 
 from torch import nn
@@ -42,3 +43,26 @@ def cache_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         if not already:
             restore_cache(model)
+
+
+@contextlib.contextmanager
+def fake_tensors_untraced() -> Iterator[None]:
+    """While active, transformers does not treat fake tensors as a sign of tracing.
+
+    transformers (5.x, ``utils.import_utils.is_tracing``) takes its tracing path when it
+    sees a FakeTensor: explicit causal masks and repeated K/V heads, which a GPU step
+    does not build. A fake profile stands in for a real step, so it wants the real
+    path; the data-dependent checks on that path read the values kept by
+    ``remat.profiling._shadow`` (NOTE [Value shadows]). Nothing is patched when
+    transformers is not imported or has no such check.
+    """
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    module.is_fake_tensor = lambda x: False
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original

@@ -78,14 +78,15 @@ class StorageTracker(TorchDispatchMode):
 
     ``current``/``peak`` are bytes above the storages in ``known`` (which are
     never counted). ``on_op(func, args, kwargs, out, seconds)`` is called
-    after every op with its wall time, for callers that build a timeline.
+    after every op with its wall time, for callers that build a timeline, and
+    ``on_free(key, nbytes)`` when a counted storage is freed.
     """
 
     def __init__(
         self,
         known: Iterable[torch.Tensor] = (),
         on_op: Callable[[Any, tuple, dict, Any, float], None] | None = None,
-        on_free: Callable[[int], None] | None = None,
+        on_free: Callable[[int, int], None] | None = None,
     ) -> None:
         super().__init__()
         self.known = {st._cdata for t in known for st in storages(t)}
@@ -97,14 +98,14 @@ class StorageTracker(TorchDispatchMode):
         """Bytes of unlisted storages that existed before tracking (NOTE [Resting storages nobody listed])."""
         self.on_op = on_op
         self.on_free = on_free
-        """Called with a storage's key right after it is freed (``current`` already lowered)."""
+        """Called with a storage's key and bytes right after it is freed (``current`` already lowered)."""
 
     def _freed(self, key: int, _ref: weakref.ref) -> None:
         nbytes = self.live.pop(key, 0)
         self._refs.pop(key, None)
         self.current -= nbytes
         if self.on_free is not None and nbytes:
-            self.on_free(key)
+            self.on_free(key, nbytes)
 
     def _add(self, t: torch.Tensor) -> None:
         for st in storages(t):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.profiling._types import Key, Profile
+from remat.profiling._types import Key, Profile, SegmentCost
 
 _GRID_STEPS = 2**15
 
@@ -44,6 +44,16 @@ class Chain:
     extra_s: np.ndarray  # [n, P]
 
 
+class _Kept:
+    """A segment as if autocast's cast cache freed nothing (NOTE [Autocast's weight casts outlive
+    their block]): how much it frees depends on every block's policy, which one DP state cannot
+    hold, so the chain leaves the copies alive until backward. Safe; tight without autocast."""
+
+    def __init__(self, cost: SegmentCost) -> None:
+        self.delta = cost.delta + cost.cast_release
+        self.excess = max(cost.excess, cost.excess_released)
+
+
 def chain_of(profile: Profile) -> Chain | None:
     """The chain view of ``profile``, or None when blocks are not a simple chain."""
     fwd_blocks = [k[1] for k in profile.fwd_order if k[1] is not None]
@@ -54,7 +64,7 @@ def chain_of(profile: Profile) -> Chain | None:
     if any(k[1] is None for k in profile.bwd_order[first_bwd_block:]):
         return None
     pols = list(profile.policies)
-    seg = profile.segments
+    seg = {p: {k: _Kept(c) for k, c in costs.items()} for p, costs in profile.segments.items()}
     n, P = len(fwd_blocks), len(pols)
     fwd_delta, fwd_peak = np.zeros((n, P), np.int64), np.zeros((n, P), np.int64)
     bwd_delta, bwd_peak = np.zeros((n, P), np.int64), np.zeros((n, P), np.int64)

@@ -4,27 +4,43 @@ The model's parameters and buffers are swapped for fake CPU tensors of the same
 shapes (they may be real or on the meta device: a 7B-parameter model built under
 ``torch.device("meta")`` profiles on a laptop), the step runs under
 ``FakeTensorMode``, and the original tensor objects are put back afterwards. The
-storage tracker counts fake storages exactly as real ones, so memory figures
-match a real run; times come from a :class:`remat.profiling.targets.Target` roofline.
-Fake tensors are CPU tensors, so kernel choices (and so memory) follow the CPU
-paths: SDPA's flash kernel exists on CPU and CUDA alike.
+storage tracker counts fake storages exactly as real ones; times come from a
+:class:`remat.profiling.targets.Target` roofline.
+
+Fake tensors are CPU tensors, so on their own they follow the CPU's kernels. For a
+CUDA target (``h100``, ``a100``) the run takes the target's instead, and counts
+what those kernels allocate beside their outputs:
+
+* SDPA and dropout are routed to the kernels CUDA would run, and autocast applies
+  CUDA's cast lists (NOTE [Fake tensors take the target's kernels] in
+  ``_cuda_kernels``, NOTE [CUDA autocast on fake CPU tensors] in ``_cuda_autocast``);
+* Hugging Face models take the path they take on a GPU, not their tracing path:
+  small tensors keep real values (NOTE [Value shadows] in ``_shadow``) and
+  transformers is told fake tensors are not tracing (``core._hf.fake_tensors_untraced``);
+* each op's workspace and the library workspaces kept across steps come from the
+  target's table (NOTE [Workspace no tensor owns] in ``_workspace``, ``_target_data``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from remat.core._hf import cache_disabled
+from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._step import LossFn
 from remat.errors import RematError
+from remat.profiling._cuda_autocast import cuda_autocast_lists
+from remat.profiling._cuda_kernels import cuda_kernels
 from remat.profiling._profile_run import _assemble, _Policies, traced_step
+from remat.profiling._shadow import ValueShadows
 from remat.profiling._types import Profile
+from remat.profiling._workspace import Workspace
 from remat.profiling.targets import Target
 
 
@@ -34,7 +50,11 @@ def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 
 class _FakeWeights:
-    """Swaps every parameter and buffer for a fake twin; puts the originals back on exit."""
+    """Swaps every parameter and buffer for a fake twin; puts the originals back on exit.
+
+    A tensor held by several modules (tied embedding and output weights) gets one
+    twin, so that it is counted once, as on the device.
+    """
 
     def __init__(self, model: nn.Module, mode: FakeTensorMode) -> None:
         self.model = model
@@ -42,19 +62,64 @@ class _FakeWeights:
         self.saved: list[tuple[dict, str, Any]] = []
 
     def __enter__(self) -> None:
+        twins: dict[int, torch.Tensor] = {}
         for module in self.model.modules():
             for store in (module._parameters, module._buffers):
                 for name, t in store.items():
                     if t is None:
                         continue
                     self.saved.append((store, name, t))
-                    fake = _fake_like(self.mode, t)
-                    store[name] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    if id(t) not in twins:
+                        fake = _fake_like(self.mode, t)
+                        twins[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(
+                            t, nn.Parameter) else fake
+                    store[name] = twins[id(t)]
 
     def __exit__(self, *exc: Any) -> None:
         for store, name, t in reversed(self.saved):
             store[name] = t
         self.saved.clear()
+
+
+@contextlib.contextmanager
+def _target_kernels(target: Target, gpu_path: bool) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if target.cuda is not None:
+            stack.enter_context(cuda_kernels(target.cuda.sdpa))
+            stack.enter_context(cuda_autocast_lists())
+        if gpu_path:
+            stack.enter_context(fake_tensors_untraced())
+        yield
+
+
+def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], policies: Sequence[str],
+           target: Target, gpu_path: bool) -> tuple[dict, dict, Any, dict]:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shadows = ValueShadows()
+
+    def fake_input(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        fake = _fake_like(mode, t)
+        shadows.seed(fake, t)
+        return fake
+
+    fake_inputs = tree_map(fake_input, inputs)
+    workspace = Workspace(target.cuda.gpu, target.cuda.workspace) if target.cuda is not None else None
+    switch = _Policies(model, names)
+    traced, io_bytes, ledgers = {}, {}, {}
+    try:
+        with _FakeWeights(model, mode), cache_disabled(model), _target_kernels(target, gpu_path):
+            for policy in policies:
+                switch.set(policy)
+                with mode, shadows:
+                    traced[policy], io, _, ledgers[policy] = traced_step(
+                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace
+                    )
+                io_bytes = io_bytes or io
+            return traced, io_bytes, fake_inputs, ledgers
+    finally:
+        switch.restore()
 
 
 def run_fake_profile(
@@ -67,31 +132,33 @@ def run_fake_profile(
     target: Target,
 ) -> Profile:
     """Profile on fake tensors with times from ``target`` (see ``remat.profile``)."""
-    # Real tensors the loss closes over (labels) are converted on use.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     training = {n: m.training for n, m in model.named_modules()}
     rng = torch.get_rng_state()
-    switch = _Policies(model, names)
-    fake_inputs = tree_map(lambda t: _fake_like(mode, t) if isinstance(t, torch.Tensor) else t, inputs)
+    notes = []
     try:
-        with _FakeWeights(model, mode), cache_disabled(model):
-            traced, io_bytes, crossings = {}, {}, {}
-            for policy in policies:
-                switch.set(policy)
-                with mode:
-                    traced[policy], io, _, crossings[policy] = traced_step(
-                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds
-                    )
-                io_bytes = io_bytes or io
-            return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [],
-                             fake=True, target=target.name, device=f"{target.name} (fake)", crossings=crossings)
-    except torch._subclasses.fake_tensor.DataDependentOutputException as exc:
+        try:
+            traced, io_bytes, fake_inputs, ledgers = _trace(model, inputs, loss_fn, names, policies, target,
+                                                            gpu_path=True)
+        except DataDependentOutputException:
+            # A value the shadows do not know (computed from weights, say): the library's own
+            # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
+            traced, io_bytes, fake_inputs, ledgers = _trace(model, inputs, loss_fn, names, policies, target,
+                                                            gpu_path=False)
+            notes.append("fake run: the model's forward reads tensor values, so transformers took its tracing "
+                         "path (explicit masks, repeated K/V heads), which a GPU step does not take.")
+        extra = target.cuda.persistent_bytes if target.cuda is not None else 0
+        if extra:
+            notes.append(f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
+                         f"allocated ({target.cuda.source}).")
+        return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [], fake=True,
+                         target=target.name, device=f"{target.name} (fake)", extra_resting=extra, notes=notes,
+                         crossings=ledgers)
+    except DataDependentOutputException as exc:
         raise RematError(
             f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "
             "tensors do not have; profile it on real tensors (with a smaller batch) instead."
         ) from None
     finally:
-        switch.restore()
         for name, module in model.named_modules():
             module.training = training[name]
         torch.set_rng_state(rng)

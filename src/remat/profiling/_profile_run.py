@@ -18,8 +18,8 @@ from remat.core._step import LossFn, input_tensors, trainable_parameters, traini
 from remat.core._timing import extra_time, forward_slowdown
 from remat.core.checkpoint import POLICIES, wrap
 from remat.errors import RematError
-from remat.profiling._trace import OpCost, Segment, SegmentRecorder
 from remat.profiling._crossing import Crossing, Recompute
+from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
 
 Ledger = tuple[dict[tuple, dict], dict[tuple, dict]]
 """What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
@@ -60,13 +60,14 @@ def _resting(model: nn.Module, inputs: Any) -> list:
 
 
 def traced_step(
-    model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None,
+    workspace: OpWorkspace | None = None,
 ) -> tuple[list[Segment], dict[str, tuple[int, int]], int, Ledger]:
     """Segments, block I/O bytes, the peak above resting bytes, and the crossing storages and block
     recomputations of one tracked step (NOTE [Storages across blocks])."""
     gc.collect()
     tracker = StorageTracker(known=_resting(model, inputs))
-    recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost)
+    recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace)
     with recorder, tracker:
         _run_step(model, inputs, loss_fn, recorder)
     return recorder.segments, recorder.io_bytes, tracker.peak, (recorder.crossings, recorder.recomputes)
@@ -207,6 +208,8 @@ def _assemble(
     target: str | None = None,
     device: str | None = None,
     crossings: dict[str, Ledger] | None = None,
+    extra_resting: int = 0,
+    notes: Sequence[str] = (),
 ) -> Profile:
     def seconds_of(policy: str, seg: Segment) -> float:
         if fake:
@@ -214,7 +217,8 @@ def _assemble(
         return statistics.median(seconds[policy][seg.key]) if seconds[policy].get(seg.key) else 0.0
 
     segments = {
-        p: {s.key: SegmentCost(s.delta, s.excess, seconds_of(p, s)) for s in traced[p]} for p in policies
+        p: {s.key: SegmentCost(s.delta, s.excess, seconds_of(p, s), s.cast_cache, s.cast_release, s.excess_released)
+            for s in traced[p]} for p in policies
     }
     keep = traced["keep"]
     params = list(model.parameters())
@@ -225,7 +229,7 @@ def _assemble(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
         blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
-        resting_bytes=storage_bytes(_resting(model, inputs)),
+        resting_bytes=storage_bytes(_resting(model, inputs)) + extra_resting,
         param_bytes=storage_bytes(params),
         grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
         step_time_s=step_time,
@@ -237,6 +241,7 @@ def _assemble(
         recomputes=_recomputes({p: ledger[1] for p, ledger in (crossings or {}).items()}),
         fake=fake,
         target=target,
+        notes=list(notes),
     )
 
 

@@ -10,6 +10,19 @@ marker is the head's and the loss's backward. Every segment records the live
 bytes at its start and end and the most live at any op inside it, so that the
 peak of any mix of policies can be composed from uniform-policy runs
 (``remat.profile``).
+
+NOTE [Autocast's weight casts outlive their block]
+Under autocast, the lower-precision copy of a weight is cached until the
+outermost autocast region exits (usually the end of the model's forward). A block
+that saves its matmul inputs keeps the copy for backward anyway; a checkpointed
+block leaves it to the cache alone, and the cache frees it at the exit, in a
+later segment, whose own policy does not decide how much is freed. So a copy
+(``_to_copy`` of a float32 leaf that requires grad, to a lower precision) freed
+during forward in another segment is booked twice: ``cast_cache`` on the segment
+that made it, ``cast_release`` on the one that freed it; the peak model releases,
+at such a segment, what the composed step's own segments booked
+(``Profile.timeline``). Live bytes after a release are recorded as if it had not
+happened (``max_released``), for the same reason.
 """
 
 from __future__ import annotations
@@ -50,6 +63,12 @@ class Segment:
     """Part of ``op_s`` in the ops the selective policy keeps (matmul, conv, attention)."""
     recompute_s: float = 0.0
     """Time spent recomputing checkpointed forwards (part of ``seconds``)."""
+    cast_cache: int = 0
+    """Bytes of autocast weight casts made here and freed by the autocast cache in a later segment."""
+    cast_release: int = 0
+    """Bytes of such casts freed here (NOTE [Autocast's weight casts outlive their block])."""
+    max_released: int = 0
+    """Most live after the first release here, plus the bytes released so far; 0 without one."""
 
     @property
     def key(self) -> tuple[str, str | None, int]:
@@ -63,6 +82,19 @@ class Segment:
     def excess(self) -> int:
         return self.max_live - self.start_live
 
+    @property
+    def excess_released(self) -> int:
+        return self.max_released - self.start_live if self.cast_release else 0
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _weight_cast(src: Any, out: Any) -> bool:
+    """An autocast-style cast of a weight: float32 leaf that requires grad, to a lower precision."""
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.is_leaf and src.requires_grad
+            and src.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16))
+
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
     if hasattr(value, "to_tuple"):  # transformers ModelOutput
@@ -73,6 +105,8 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 OpCost = Callable[[Any, tuple, dict, Any, int], float]
 """Modelled seconds of one op: (func, args, kwargs, out, flops)."""
+OpWorkspace = Callable[[Any, tuple, dict, Any], int]
+"""Bytes an op holds while it runs beyond what it returns: (func, args, kwargs, out)."""
 
 
 class SegmentRecorder:
@@ -85,11 +119,13 @@ class SegmentRecorder:
         *,
         tracker: StorageTracker | None = None,
         op_cost: OpCost | None = None,
+        workspace: OpWorkspace | None = None,
     ) -> None:
         self.modules = dict(model.named_modules())
         self.blocks = list(blocks)
         self.tracker = tracker
         self.op_cost = op_cost
+        self.workspace = workspace
         self.segments: list[Segment] = []
         self.io_bytes: dict[str, tuple[int, int]] = {}
         self._counts: dict[tuple[str, str | None], int] = {}
@@ -103,6 +139,7 @@ class SegmentRecorder:
         """Each block's recomputations: (block, k-th) -> segment it ran in, delta and excess of live bytes."""
         self._recomputing: list[Any] | None = None
         self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
+        self._casts: dict[int, Segment] = {}
         if tracker is not None:
             tracker.on_op = self._on_op
             tracker.on_free = self._on_free
@@ -115,11 +152,29 @@ class SegmentRecorder:
         seg = self._current
         if seg is not None:
             seg.end_live = self._live()
-            seg.max_live = max(seg.max_live, seg.end_live)
+            self._top(seg, seg.end_live)
             seg.seconds = time.perf_counter() - seg.seconds
             self._raise_after(seg.end_live - seg.start_live)
         self._current = None
         self._freed_here = []
+
+    @staticmethod
+    def _top(seg: Segment, live: int) -> None:
+        if seg.cast_release:
+            seg.max_released = max(seg.max_released, live + seg.cast_release)
+        else:
+            seg.max_live = max(seg.max_live, live)
+
+    def _on_free(self, key: int, nbytes: int) -> None:
+        self._cast_freed(key, nbytes)
+        self._crossing_freed(key)
+
+    def _cast_freed(self, key: int, nbytes: int) -> None:
+        made = self._casts.pop(key, None)
+        seg = self._current
+        if made is not None and seg is not None and seg.phase == "fwd" and made is not seg:
+            made.cast_cache += nbytes
+            seg.cast_release += nbytes
 
     def begin(self, phase: str, block: str | None, occurrence: int | None = None) -> None:
         self._close()
@@ -161,7 +216,7 @@ class SegmentRecorder:
             out.append(ident)
         return out
 
-    def _on_free(self, key: int) -> None:
+    def _crossing_freed(self, key: int) -> None:
         ident = self._crossing_of.pop(key, None)
         if ident is None or self._current is None:
             return
@@ -178,10 +233,15 @@ class SegmentRecorder:
         seg = self._current
         if seg is None:
             return
-        seg.max_live = max(seg.max_live, self.tracker.current)
-        self._raise_after(self.tracker.current - seg.start_live)
+        # NOTE [Workspace no tensor owns] in remat.profiling._workspace: live only inside the op
+        extra = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
+        self._top(seg, self.tracker.current + extra)
+        self._raise_after(self.tracker.current + extra - seg.start_live)
         if self._recomputing is not None:
-            self._recomputing[2] = max(self._recomputing[2], self.tracker.current)
+            self._recomputing[2] = max(self._recomputing[2], self.tracker.current + extra)
+        if func is _TO_COPY and _weight_cast(args[0], out):
+            for st in storages(out):
+                self._casts[st._cdata] = seg
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops

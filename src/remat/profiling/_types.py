@@ -16,7 +16,10 @@ block output the loss also reads) and recomputations that run outside their bloc
 backward are moved to where the assignment puts them (NOTE [Storages across blocks]
 in ``remat.profiling._crossing``). Uniform assignments reproduce their own run
 exactly; mixed ones are tested against measurement: to the byte on the zoo, never
-under on generated DAGs (``tests/planning/test_dataflow_properties.py``).
+under on generated DAGs (``tests/planning/test_dataflow_properties.py``). Autocast's cached weight casts
+are freed where the autocast region ends, by the amount the composed step's own
+segments made (NOTE [Autocast's weight casts outlive their block] in
+``remat.profiling._trace``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ class SegmentCost:
     delta: int
     excess: int
     seconds: float
+    cast_cache: int = 0
+    """Autocast weight casts made here that the autocast cache frees later in forward."""
+    cast_release: int = 0
+    """Such casts freed here, in this policy's run (included in ``delta``)."""
+    excess_released: int = 0
+    """Most above the start after the release, as if nothing had been released."""
 
 
 @dataclass
@@ -143,12 +152,22 @@ class Profile:
         assignment = self._check(assignment)
         steps = self._segment_policies(assignment)
         fixes = corrections(self.crossings, self.recomputes, steps, assignment)
-        live, out = self.resting_bytes, []
+        releases = {k for segs in self.segments.values() for k, c in segs.items() if c.cast_release}
+        live, pending, out = self.resting_bytes, 0, []
         for i, (key, policy) in enumerate(steps):
             cost = self.segments[policy][key]
             added, at_least, extra = fixes.get(i, (0, 0, 0))
-            out.append((key, live, live + max(cost.excess, at_least) + extra))
-            live += cost.delta + added
+            top = live + max(cost.excess, at_least) + extra
+            if key in releases:  # free the casts this composed step made, not those of the run
+                if cost.cast_release:
+                    top = max(top, live + cost.excess_released - pending + extra)
+                out.append((key, live, top))
+                live += cost.delta + added + cost.cast_release - pending
+                pending = 0
+            else:
+                out.append((key, live, top))
+                live += cost.delta + added
+            pending += cost.cast_cache
         return out
 
     def predict_peak(self, assignment: Mapping[str, str] | Any | None = None) -> int:

@@ -3,7 +3,9 @@
 GPU figures are dense (no sparsity) peaks from NVIDIA's datasheets; this CPU's
 are measured by a short micro-benchmark and cached. An op takes
 ``max(FLOPs / FLOP/s, bytes moved / bandwidth)`` seconds at the target's
-achievable fraction of peak.
+achievable fraction of peak. A GPU target also carries its table
+(``remat.profiling._target_data``): the kernels a fake run routes to and the
+workspace and persistent memory it adds (NOTE [Fake tensors take the target's kernels]).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError
+from remat.profiling._target_data import A100, H100, CudaTable
 
 __all__ = ["Target", "get_target", "TARGETS"]
 
@@ -37,6 +40,8 @@ class Target:
     """Device memory, the natural budget."""
     efficiency: float = 0.7
     """Fraction of peak rates real kernels reach."""
+    cuda: CudaTable | None = None
+    """For a CUDA device: kernel rules, workspace models and persistent bytes; None runs CPU kernels."""
 
     def op_seconds(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> float:
         """Roofline time of one op; views move no data."""
@@ -51,9 +56,11 @@ class Target:
 
 TARGETS = {
     # H100 SXM5: FP32 67 TFLOPS, TF32 495, BF16/FP16 989 (dense); HBM3 3.35 TB/s; 80 GB.
-    "h100": Target("h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 80 * 10**9),
+    "h100": Target("h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 80 * 10**9,
+                   cuda=H100),
     # A100 SXM 80GB: FP32 19.5 TFLOPS, BF16/FP16 312 (dense); HBM2e 2.039 TB/s; 80 GB.
-    "a100": Target("a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.039e12, 80 * 10**9),
+    "a100": Target("a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.039e12, 80 * 10**9,
+                   cuda=A100),
 }
 
 

@@ -1,0 +1,96 @@
+"""Real values for the small tensors of a fake run, so data-dependent branches go the real way.
+
+NOTE [Value shadows]
+Fake tensors have shapes and no values, so ``bool(t)``, ``t.item()`` and
+``torch.equal`` fail on them, and libraries that know it take another path under
+fake tensors: transformers builds an explicit 4-D causal mask and materialises
+repeated K/V heads when it cannot check that the position ids hold one unpadded
+sequence each (``find_packed_sequence_indices``), where on a GPU it passes no mask,
+``is_causal=True`` and ``enable_gqa=True`` (and SDPA picks another kernel).
+
+The values such checks read are small and come from the inputs or from factory
+ops (``arange`` position ids, ``ones`` masks; not ``empty``, whose values are
+garbage). This mode, stacked above the
+``FakeTensorMode``, keeps a real CPU twin (a shadow) of every tensor of at most
+``limit`` elements that is computed only from inputs with shadows: the real input
+tensors given to the profile, and factory ops. It recomputes each such op on the
+twins with every mode off, and answers the data-dependent ops (``item``,
+``equal``) from them. Weights are fake and have no values, so nothing computed
+from them gets a shadow; random ops get none either. An op that writes a tensor
+whose new value it cannot compute drops that tensor's shadow.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from remat.core._region import _written_tensors
+from remat.core._rng import draws_random
+
+aten = torch.ops.aten
+_ANSWERED = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+_UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                  aten.new_empty.default, aten.new_empty_strided.default}
+
+
+class ValueShadows(TorchDispatchMode):
+    """Real twins of small fake tensors (see NOTE [Value shadows])."""
+
+    def __init__(self, limit: int = 1 << 20) -> None:
+        super().__init__()
+        self.limit = limit
+        self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def seed(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Give ``fake`` the values of ``real`` (a real tensor of the same shape)."""
+        if not real.is_meta and real.numel() <= self.limit:
+            self._keep(fake, real.detach().clone())
+
+    def twin(self, t: torch.Tensor) -> torch.Tensor | None:
+        entry = self._twins.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _keep(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        key = id(fake)
+        self._twins[key] = (weakref.ref(fake, lambda _r, k=key: self._twins.pop(k, None)), real)
+
+    def _real(self, value: Any) -> tuple[bool, Any]:
+        """(every tensor in ``value`` has a twin, ``value`` with the twins in place)."""
+        ok = True
+
+        def swap(t: Any) -> Any:
+            nonlocal ok
+            if not isinstance(t, torch.Tensor):
+                return t
+            real = self.twin(t)
+            ok = ok and real is not None
+            return real
+
+        swapped = tree_map(swap, value)
+        return ok, swapped
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        ok, (real_args, real_kwargs) = self._real((args, kwargs))
+        if func in _ANSWERED and ok:
+            with _disable_current_modes():
+                return func(*real_args, **real_kwargs)
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        device = kwargs.get("device")
+        shadow = (ok and not draws_random(func) and func not in _UNINITIALIZED and outs and all(t.numel() <= self.limit for t in outs)
+                  and (device is None or torch.device(device).type == "cpu"))
+        if shadow:
+            with _disable_current_modes():
+                real_out = func(*real_args, **real_kwargs)
+            for fake, real in zip(outs, [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]):
+                self._keep(fake, real)
+        elif getattr(getattr(func, "_schema", None), "is_mutable", False):
+            for t in _written_tensors(func, args, kwargs):
+                self._twins.pop(id(t), None)
+        return out

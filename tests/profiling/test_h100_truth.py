@@ -1,0 +1,49 @@
+"""Fake profiles for ``target="h100"``, made on this CPU, against peaks measured on an H100.
+
+``benchmarks/gpu-truth/``: GPT-2 and Llama zoo configurations, six per-block
+assignments each, fp32 and bf16 autocast, torch 2.11 + CUDA 13 (see its README).
+Each configuration is profiled once (fake, no allocation) and every row checked.
+"""
+
+import pytest
+import torch
+
+import remat
+from remat.bench._gpu_truth import FILES, build_config, compare, load
+from remat.profiling._workspace import Gpu, reduce_buffer
+
+pytest.importorskip("transformers")
+
+TOLERANCE = 0.03
+# Known miss (strict: passing it fails the suite until the mark goes): measured resting bytes there exceed
+# parameters + buffers + inputs by 80.8 MiB, 12-15 MiB more than in every other configuration, and the step
+# itself reads 10-21 MiB above the model (allocator rounding, likely); worst row -4.3%.
+MISSES = {("h100-bf16.json", "llama-4x1024")}
+CASES = [pytest.param(name, label, id=f"{name.removesuffix('.json')}-{label}",
+                      marks=[pytest.mark.xfail(strict=True, reason="see MISSES")] if (name, label) in MISSES else [])
+         for name in FILES for label in load(name)["models"]]
+
+
+@pytest.mark.parametrize("name,label", CASES)
+def test_fake_h100_profile_predicts_measured_peaks(name, label):
+    truth = load(name)
+    zoo = build_config(truth, label)  # on the meta device: nothing allocated
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, target="h100")
+    rows = compare(truth, label, prof)
+    assert len(rows) == 6
+    worst = max(rows, key=lambda r: abs(r.peak_error))
+    report = ", ".join(f"{r.assignment} {r.peak_error:+.2%}" for r in rows)
+    assert abs(worst.peak_error) <= TOLERANCE, report
+
+
+def test_reduction_staging_matches_every_measured_sum():
+    """The Reduce.cuh staging model reproduces each measured ``sum.dim_IntList`` maximum to the byte."""
+    gpu = Gpu(sm_count=132, max_threads_per_sm=2048)
+    # the largest sum of each configuration: a bias gradient (GPT-2) or an RMSNorm weight gradient (Llama)
+    largest = {"gpt2-small-1024": [(8192, 2304), (8192, 3072), (8192, 768)], "gpt2-4x512": [(4096, 1536), (4096, 2048)],
+               "llama-1b-2048": [(4096, 2048)], "llama-4x1024": [(2048, 1024)]}
+    for name in FILES:
+        for label, entry in load(name)["models"].items():
+            measured = entry["hidden_workspace"]["none"]["aten.sum.dim_IntList"][1]
+            model = max(reduce_buffer(gpu, torch.empty(shape, device="meta"), {0}, 4) for shape in largest[label])
+            assert model == measured, (name, label, model, measured)
