@@ -173,6 +173,37 @@ class StorageTracker(TorchDispatchMode):
         return out
 
 
+class CudaAllocator:
+    """The CUDA caching allocator's own count of live bytes on one device, above a base.
+
+    NOTE [Peaks as the allocator counts them]
+    The storage tracker sees tensors; the allocator also hands out workspace that no
+    tensor owns (a reduction's staging buffer, cuBLAS and attention-backward
+    scratch), freed before the op returns, and rounds every block up. On CUDA a
+    profile therefore reads ``memory_allocated`` at segment boundaries and
+    ``max_memory_allocated`` over each segment (peak statistics reset at its start),
+    synchronised, so that segment excesses hold what ``remat.measure`` will count.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda.synchronize(device)
+        self.base = torch.cuda.memory_allocated(device)
+        """Bytes allocated when counting began (the resting bytes, as the allocator sees them)."""
+
+    def live(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device) - self.base
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        """Most live bytes since :meth:`reset_peak`, above the base."""
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
 def allocator_peak(fn: Callable[[], T]) -> tuple[int, T]:
     """Most bytes the CPU allocator had handed out at once while ``fn()`` ran, above the start, and what
     ``fn`` returned.

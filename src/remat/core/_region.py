@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.core._timing import WallClock
 
 _local = threading.local()
 
@@ -58,18 +59,26 @@ def is_recomputing() -> bool:
     return getattr(_local, "recomputing", 0) > 0
 
 
+_observer: list[tuple[Callable[[Any, Any], None], Any, Any]] = []
+"""The profiler's recompute observer. Process-wide, not per thread: on CUDA autograd runs
+backward, and so every recomputation, on a device thread of its own, which a thread-local
+observer set by the profiling thread would never reach (recompute time read as 0)."""
+
+
 @contextlib.contextmanager
 def recompute_observer(
-    callback: Callable[[float], None], on_start: Callable[[nn.Module | None], None] | None = None
+    callback: Callable[[Any, Any], None], clock: Any = None, on_start: Callable[[nn.Module | None], None] | None = None
 ) -> Iterator[None]:
-    """Call ``on_start(module)`` before and ``callback(seconds)`` after every outermost recomputation on
-    this thread (profiling); ``module`` is the one whose forward is recomputed (None for a function)."""
-    previous = getattr(_local, "observer", None), getattr(_local, "observer_start", None)
-    _local.observer, _local.observer_start = callback, on_start
+    """Call ``on_start(module)`` before and ``callback(start, end)`` after every outermost recomputation, on
+    any thread (profiling); ``module`` is the one whose forward is recomputed (None for a function).
+
+    ``start`` and ``end`` are ``clock.mark()`` values (``remat.core._timing``; host seconds by default).
+    """
+    _observer.append((callback, clock if clock is not None else WallClock(), on_start))
     try:
         yield
     finally:
-        _local.observer, _local.observer_start = previous
+        _observer.pop()
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -305,17 +314,16 @@ class RecomputeContext:
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         depth = getattr(_local, "recomputing", 0)
-        on_start = getattr(_local, "observer_start", None)
-        if depth == 0 and on_start is not None:
-            on_start(self.region.owner)
         _local.recomputing = depth + 1
-        start = time.perf_counter()
+        observer = _observer[-1] if depth == 0 and _observer else None  # nested: inside the outer's time
+        if observer is not None and observer[2] is not None:
+            observer[2](self.region.owner)
+        start = observer[1].mark() if observer is not None else None
 
         def done() -> None:
             _local.recomputing -= 1
-            observer = getattr(_local, "observer", None)
-            if depth == 0 and observer is not None:  # nested recomputes are inside the outer one's time
-                observer(time.perf_counter() - start)
+            if observer is not None:
+                observer[0](start, observer[1].mark())
 
         stack.callback(done)
         stack.enter_context(self.region.swapped_buffers())

@@ -66,7 +66,8 @@ class Measurement:
         return self.peak_bytes - self.resting_bytes
 
 
-def _device_of(model: nn.Module, inputs: Any) -> torch.device:
+def device_of(model: nn.Module, inputs: Any) -> torch.device:
+    """The device of the first parameter or input tensor (CPU when there is none)."""
     for t in [*model.parameters(), *input_tensors(inputs)]:
         return t.device
     return torch.device("cpu")
@@ -94,7 +95,7 @@ def measure_peak(
     ``allocator``: off CUDA, count the step from the CPU allocator's reports rather than
     from the dispatcher, for kernels it never sees (``torch.compile``'s).
     """
-    device = _device_of(model, inputs)
+    device = device_of(model, inputs)
     model.zero_grad(set_to_none=True)
     gc.collect()
     if device.type == "cuda":
@@ -140,7 +141,7 @@ def measure(
     """
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
-    device = _device_of(model, inputs)
+    device = device_of(model, inputs)
     state = capture(model)
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
     try:

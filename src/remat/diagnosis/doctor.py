@@ -30,7 +30,7 @@ from torch import nn
 
 from remat.core._state import ModelState, capture
 from remat.core._step import LossFn, call_model, compute_loss, training_step
-from remat.core.measure import Measurement, _device_of, _sync, measure
+from remat.core.measure import Measurement, _sync, device_of, measure
 from remat.diagnosis import _checks as checks
 from remat.diagnosis._checks import Costs, Finding, StepRecord
 from remat.diagnosis._intercept import CallKey, CheckpointCall, Interceptor, always, never, observing, session
@@ -163,7 +163,7 @@ def _measure(run: _Run, plain: Plain, warmup: int) -> Measurement:
 def _interleaved_times(run: _Run, configs: dict[Any, Plain], repeat: int) -> dict[Any, list[float]]:
     # Rounds of one step per configuration: a burst of other work on the machine then slows
     # every configuration alike instead of flattering whichever ran in a quiet moment.
-    device = _device_of(run.model, run.inputs)
+    device = device_of(run.model, run.inputs)
     times: dict[Any, list[float]] = {name: [] for name in configs}
     try:
         for _ in range(repeat):

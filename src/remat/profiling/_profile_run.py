@@ -12,11 +12,12 @@ from typing import Any
 from torch import nn
 
 from remat.core._hf import cache_disabled
-from remat.core._memtrack import StorageTracker, storage_bytes, tensor_bytes
+from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture
 from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
-from remat.core._timing import extra_time, forward_slowdown
+from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core.checkpoint import POLICIES, wrap
+from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute
 from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
@@ -63,18 +64,28 @@ def traced_step(
     model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None,
     workspace: OpWorkspace | None = None,
 ) -> tuple[list[Segment], dict[str, tuple[int, int]], int, Ledger]:
-    """Segments, block I/O bytes, the peak above resting bytes, and the crossing storages and block
-    recomputations of one tracked step (NOTE [Storages across blocks])."""
+    """Segments, block I/O bytes, the resting bytes, and the crossing storages and block recomputations
+    (NOTE [Storages across blocks]) of one tracked step.
+
+    On CUDA live and peak bytes come from the allocator and times from CUDA events
+    (NOTE [Peaks as the allocator counts them], NOTE [Clocks]); resting bytes are then
+    what the allocator held at the start (library workspaces included).
+    """
+    model.zero_grad(set_to_none=True)
     gc.collect()
+    device = device_of(model, inputs)
+    allocator = CudaAllocator(device) if device.type == "cuda" else None
     tracker = StorageTracker(known=_resting(model, inputs))
-    recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace)
+    recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace,
+                               allocator=allocator, clock=clock_for(device))
     with recorder, tracker:
         _run_step(model, inputs, loss_fn, recorder)
-    return recorder.segments, recorder.io_bytes, tracker.peak, (recorder.crossings, recorder.recomputes)
+    resting = allocator.base if allocator is not None else storage_bytes(_resting(model, inputs))
+    return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes)
 
 
 def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str]) -> list[Segment]:
-    recorder = SegmentRecorder(model, names)
+    recorder = SegmentRecorder(model, names, clock=clock_for(device_of(model, inputs)))
     with recorder:
         _run_step(model, inputs, loss_fn, recorder)
     return recorder.segments
@@ -161,14 +172,19 @@ def run_profile(
     """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
     state = capture(model)
     switch = _Policies(model, names)
+    cuda = device_of(model, inputs).type == "cuda"
     with cache_disabled(model):
         try:
+            if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
+                training_step(model, inputs, loss_fn)
+                state.restore()
             traced: dict[str, list[Segment]] = {}
             io_bytes: dict[str, tuple[int, int]] = {}
+            resting: dict[str, int] = {}
             crossings: dict[str, Ledger] = {}
             for policy in policies:
                 switch.set(policy)
-                traced[policy], io, _, crossings[policy] = traced_step(model, inputs, loss_fn, names)
+                traced[policy], io, resting[policy], crossings[policy] = traced_step(model, inputs, loss_fn, names)
                 io_bytes = io_bytes or io
                 state.restore()
             _check_same_structure(traced)
@@ -189,8 +205,9 @@ def run_profile(
         finally:
             switch.restore()
             state.restore()
+        extra = resting["keep"] - storage_bytes(_resting(model, inputs)) if cuda else 0
         return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps, recompute=recompute,
-                         crossings=crossings)
+                         extra_resting=extra, crossings=crossings)
 
 
 def _assemble(

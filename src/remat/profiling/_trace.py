@@ -27,7 +27,6 @@ happened (``max_released``), for the same reason.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from remat.core._memtrack import StorageTracker, storage_bytes, storages
+from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
 from remat.core._region import recompute_observer
+from remat.core._timing import WallClock
 from remat.core.checkpoint import SAVE_OPS
 
 
@@ -120,12 +120,20 @@ class SegmentRecorder:
         tracker: StorageTracker | None = None,
         op_cost: OpCost | None = None,
         workspace: OpWorkspace | None = None,
+        allocator: CudaAllocator | None = None,
+        clock: Any = None,
     ) -> None:
+        """``allocator``: live and peak bytes from the CUDA allocator rather than the tracker
+        (NOTE [Peaks as the allocator counts them]); ``clock``: how segments and recomputations
+        are timed (NOTE [Clocks]; host time by default)."""
         self.modules = dict(model.named_modules())
         self.blocks = list(blocks)
         self.tracker = tracker
         self.op_cost = op_cost
         self.workspace = workspace
+        self.allocator = allocator
+        self.clock = clock if clock is not None else WallClock()
+        self._marks: list[tuple[Segment, Any, Any, str]] = []
         self.segments: list[Segment] = []
         self.io_bytes: dict[str, tuple[int, int]] = {}
         self._counts: dict[tuple[str, str | None], int] = {}
@@ -146,6 +154,8 @@ class SegmentRecorder:
 
     # -- segment bookkeeping ---------------------------------------------------
     def _live(self) -> int:
+        if self.allocator is not None:
+            return self.allocator.live()
         return self.tracker.current if self.tracker is not None else 0
 
     def _close(self) -> None:
@@ -153,7 +163,9 @@ class SegmentRecorder:
         if seg is not None:
             seg.end_live = self._live()
             self._top(seg, seg.end_live)
-            seg.seconds = time.perf_counter() - seg.seconds
+            if self.allocator is not None:  # everything the allocator held inside the segment
+                seg.max_live = max(seg.max_live, self.allocator.peak())
+            self._marks.append((seg, self._opened, self.clock.mark(), "seconds"))
             self._raise_after(seg.end_live - seg.start_live)
         self._current = None
         self._freed_here = []
@@ -182,11 +194,23 @@ class SegmentRecorder:
             occurrence = self._counts.get((phase, block), 0)
             self._counts[(phase, block)] = occurrence + 1
         live = self._live()
-        self._current = Segment(phase, block, occurrence, live, live, live, time.perf_counter())
+        if self.allocator is not None:
+            self.allocator.reset_peak()
+        self._opened = self.clock.mark()
+        self._current = Segment(phase, block, occurrence, live, live, live)
         self.segments.append(self._current)
 
     def finish(self) -> None:
+        """Close the last segment and read every time mark (one synchronisation on CUDA)."""
         self._close()
+        self.clock.settle()
+        for seg, start, end, field in self._marks:
+            seconds = self.clock.seconds(start, end)
+            if field == "seconds":
+                seg.seconds = seconds
+            else:
+                seg.recompute_s += seconds
+        self._marks.clear()
 
     # -- crossing storages (NOTE [Storages across blocks] in remat.profiling._crossing) --
     def _note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict) -> None:
@@ -235,7 +259,8 @@ class SegmentRecorder:
             return
         # NOTE [Workspace no tensor owns] in remat.profiling._workspace: live only inside the op
         extra = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
-        self._top(seg, self.tracker.current + extra)
+        if self.allocator is None:  # else the allocator's peak, read when the segment closes
+            self._top(seg, self.tracker.current + extra)
         self._raise_after(self.tracker.current + extra - seg.start_live)
         if self._recomputing is not None:
             self._recomputing[2] = max(self._recomputing[2], self.tracker.current + extra)
@@ -278,19 +303,19 @@ class SegmentRecorder:
         live = self._live()
         self._recomputing = [self._names.get(id(owner)), live, live]
 
-    def _on_recompute(self, seconds: float) -> None:
+    def _on_recompute(self, start: Any, end: Any) -> None:
         if self._current is not None:
-            self._current.recompute_s += seconds
+            self._marks.append((self._current, start, end, "recompute_s"))
         event, self._recomputing = self._recomputing, None
         if event is None or event[0] is None or self.tracker is None or self._current is None:
             return
-        block, start, top = event
+        block, begun, top = event
         k = sum(1 for b, _ in self.recomputes if b == block)
-        self.recomputes[(block, k)] = {"segment": self._current.key, "delta": self._live() - start,
-                                       "excess": max(top, self._live()) - start}
+        self.recomputes[(block, k)] = {"segment": self._current.key, "delta": self._live() - begun,
+                                       "excess": max(top, self._live()) - begun}
 
     def __enter__(self) -> SegmentRecorder:
-        self._observing = recompute_observer(self._on_recompute, self._on_recompute_start)
+        self._observing = recompute_observer(self._on_recompute, self.clock, self._on_recompute_start)
         self._observing.__enter__()
         for name in self.blocks:
             module = self.modules[name]
