@@ -163,3 +163,30 @@ def test_auto_applies_and_remove_restores(profiled):
     assert_buffers_equal(ref, zoo.model)
     remat.remove(zoo.model)
     assert not any(remat.is_wrapped(m) for m in zoo.model.modules())
+
+
+def test_autocast_plans_fit_and_credit_released_casts():
+    """Under autocast the chain's safe view keeps cached weight casts until backward; plans made
+    crediting their release are checked with the exact peak model, so budgets still hold as measured,
+    and they are never slower than the safe view's."""
+    from remat.bench._gpu_truth import autocast_forward
+    from remat.planning._solve import cast_credits
+
+    zoo = build("llama", layers=6, hidden=128, intermediate=344, heads=4, kv_heads=2, vocab=256, seq=64, batch=2)
+    autocast_forward(zoo.model, torch.bfloat16)
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0)
+    assert len(cast_credits(prof)) > 1
+    lowest, baseline = remat.plan(prof, strategy="all").min_peak_bytes, prof.baseline_peak_bytes
+    for between in (0.6, 0.2):
+        plan = remat.plan(prof, int(lowest + between * (baseline - lowest)))
+        safe = solve(chain_of(prof), plan.budget_bytes)
+        if safe is not None:
+            safe_plan = {b: chain_of(prof).policies[j] for b, j in zip(chain_of(prof).blocks, safe[0])}
+            assert prof.predict_time(plan.assignment) <= prof.predict_time(safe_plan) + 1e-12
+        remat.apply(zoo.model, plan)
+        try:
+            measured = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+        finally:
+            remat.remove(zoo.model)
+        assert plan.predicted_peak_bytes <= plan.budget_bytes and measured <= plan.budget_bytes
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured

@@ -44,18 +44,30 @@ class Chain:
     extra_s: np.ndarray  # [n, P]
 
 
-class _Kept:
-    """A segment as if autocast's cast cache freed nothing (NOTE [Autocast's weight casts outlive
-    their block]): how much it frees depends on every block's policy, which one DP state cannot
-    hold, so the chain leaves the copies alive until backward. Safe; tight without autocast."""
+class _Casts:
+    """A segment with autocast's cached weight casts freed by a fixed amount (NOTE [Autocast's weight
+    casts outlive their block] in ``remat.profiling._trace``). The true amount is what every block's
+    policy left to the cache, which one DP state cannot hold; the chain frees ``credit`` bytes where
+    autocast exits instead. ``credit=0`` is safe (copies kept until backward); a positive credit can
+    be too much, so plans made with one are checked with the exact peak model (``remat.plan``)."""
 
-    def __init__(self, cost: SegmentCost) -> None:
-        self.delta = cost.delta + cost.cast_release
+    def __init__(self, cost: SegmentCost, credit: int) -> None:
+        self.delta = cost.delta + cost.cast_release - credit
         self.excess = max(cost.excess, cost.excess_released)
 
 
-def chain_of(profile: Profile) -> Chain | None:
-    """The chain view of ``profile``, or None when blocks are not a simple chain."""
+def cast_credits(profile: Profile, steps: int = 8) -> list[int]:
+    """Credits to try: 0 up to the most any assignment can free (empty without autocast casts)."""
+    segs = profile.segments.values()
+    if not any(c.cast_release for costs in segs for c in costs.values()):
+        return []
+    keys = {k for costs in segs for k in costs}
+    most = sum(max(costs[k].cast_cache for costs in segs if k in costs) for k in keys)
+    return [most * i // steps for i in range(steps + 1)]
+
+
+def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
+    """The chain view of ``profile``, or None when blocks are not a simple chain (``credit``: see ``_Casts``)."""
     fwd_blocks = [k[1] for k in profile.fwd_order if k[1] is not None]
     bwd_blocks = [k[1] for k in profile.bwd_order if k[1] is not None]
     if len(set(fwd_blocks)) != len(fwd_blocks) or bwd_blocks != fwd_blocks[::-1] or not fwd_blocks:
@@ -64,7 +76,9 @@ def chain_of(profile: Profile) -> Chain | None:
     if any(k[1] is None for k in profile.bwd_order[first_bwd_block:]):
         return None
     pols = list(profile.policies)
-    seg = {p: {k: _Kept(c) for k, c in costs.items()} for p, costs in profile.segments.items()}
+    releases = {k for costs in profile.segments.values() for k, c in costs.items() if c.cast_release}
+    seg = {p: {k: _Casts(c, credit if k in releases else 0) for k, c in costs.items()}
+           for p, costs in profile.segments.items()}
     n, P = len(fwd_blocks), len(pols)
     fwd_delta, fwd_peak = np.zeros((n, P), np.int64), np.zeros((n, P), np.int64)
     bwd_delta, bwd_peak = np.zeros((n, P), np.int64), np.zeros((n, P), np.int64)

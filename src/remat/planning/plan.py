@@ -9,7 +9,7 @@ from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from remat.errors import RematError
-from remat.planning._solve import chain_of, solve
+from remat.planning._solve import cast_credits, chain_of, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
@@ -116,6 +116,21 @@ def parse_budget(budget: Any, baseline_bytes: int) -> int:
     if isinstance(budget, int) and budget > 0:
         return budget
     raise RematError(f"remat.plan: budget={budget!r} is out of range; give {_ACCEPTED}.")
+
+
+def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None) -> dict[str, str] | None:
+    """Under autocast the chain's safe view keeps cached weight casts until backward, which can cost
+    recomputation; solve again crediting their release (``_solve._Casts``) and keep the cheapest plan
+    whose exact predicted peak fits. Without autocast casts: ``safe`` as it is."""
+    candidates = [safe] if safe is not None else []
+    for credit in cast_credits(profile)[1:]:
+        chain = chain_of(profile, credit)
+        found = solve(chain, limit)
+        if found is not None:
+            trial = {b: chain.policies[j] for b, j in zip(chain.blocks, found[0])}
+            if profile.predict_peak(trial) <= limit:
+                candidates.append(trial)
+    return min(candidates, key=profile.predict_time) if candidates else None
 
 
 def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
@@ -258,7 +273,10 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
             "that, or lower the batch size / sequence length."
         )
     chain = chain_of(profile)
-    assignment = _solve_fitting(profile, chain, limit) if chain is not None else _greedy(profile, limit)
+    if chain is not None:
+        assignment = _with_cast_credits(profile, limit, _solve_fitting(profile, chain, limit))
+    else:
+        assignment = _greedy(profile, limit)
     if assignment is None:
         # Rounding refuses budgets within a grid cell per block of the minimum; the
         # lowest-peak plan fits them by definition.

@@ -246,7 +246,7 @@ class SegmentRecorder:
             return
         record = self.crossings[ident]
         record["freed"] = self._current.key
-        record["after"] = self.tracker.current - self._current.start_live
+        record["after"] = self._live() - self._current.start_live
         self._freed_here.append(record)
 
     def _raise_after(self, relative: int) -> None:
@@ -261,9 +261,10 @@ class SegmentRecorder:
         extra = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
         if self.allocator is None:  # else the allocator's peak, read when the segment closes
             self._top(seg, self.tracker.current + extra)
-        self._raise_after(self.tracker.current + extra - seg.start_live)
+        live = self._live()
+        self._raise_after(live + extra - seg.start_live)
         if self._recomputing is not None:
-            self._recomputing[2] = max(self._recomputing[2], self.tracker.current + extra)
+            self._recomputing[2] = max(self._recomputing[2], live + extra)
         if func is _TO_COPY and _weight_cast(args[0], out):
             for st in storages(out):
                 self._casts[st._cdata] = seg
