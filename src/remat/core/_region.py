@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.core._timing import WallClock
@@ -79,6 +80,15 @@ def recompute_observer(
         yield
     finally:
         _observer.pop()
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``; fake tensors (a fake profile) have no values to compare, and count as written,
+    as the buffers they stand for are (batch-norm running statistics) on real tensors."""
+    try:
+        return torch.equal(a, b)
+    except DataDependentOutputException:
+        return False
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -189,7 +199,7 @@ class Region:
             self._check_unwatched_writes(inputs)
             # Legacy batch-norm kernels write running stats without bumping the version: compare values too.
             self.before = {k: v for k, v in self.before.items()
-                           if self.watched[k]._version != self.entry_versions[k] or not torch.equal(v, self.watched[k])}
+                           if self.watched[k]._version != self.entry_versions[k] or not _same_values(v, self.watched[k])}
         self.input_versions = {id(t): t._version for t in inputs}
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
