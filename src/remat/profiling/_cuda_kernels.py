@@ -37,6 +37,10 @@ from remat.profiling._cuda_autocast import aten_overrides
 
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
+# torch < 2.5: the math path used softmax; its cuDNN op had another signature (no bias, no log-sum-exp flag)
+_SAFE_SOFTMAX = getattr(aten, "_safe_softmax", None) or torch.softmax
+_CUDNN = getattr(aten, "_scaled_dot_product_cudnn_attention", None)
+_CUDNN_OK = _CUDNN is not None and "compute_log_sumexp" in str(_CUDNN.default._schema)
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,9 @@ def choose_backend(
     dq, dk, dv = q.size(-1), k.size(-1), v.size(-1)
 
     def cudnn() -> bool:
-        return (low and _dense_ok(q, k, v, enable_gqa, True) and max(dq, dv) <= rules.cudnn_max_head_dim
-                and dq % 8 == 0 and dv % 8 == 0 and k.size(-2) != 1 and not (dropout_p > 0 and q.size(-2) == 1))
+        return (_CUDNN_OK and low and _dense_ok(q, k, v, enable_gqa, True)
+                and max(dq, dv) <= rules.cudnn_max_head_dim and dq % 8 == 0 and dv % 8 == 0
+                and k.size(-2) != 1 and not (dropout_p > 0 and q.size(-2) == 1))
 
     def flash() -> bool:
         return (low and mask is None and dq == dk == dv <= 256 and _dense_ok(q, k, v, enable_gqa, True)
@@ -118,7 +123,7 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     attn = torch.matmul(q, k.transpose(-2, -1) * root)
     if mask is not None:
         attn.add_(mask)  # in place on real tensors (the composite adds out of place only for subclasses)
-    attn = aten._safe_softmax(attn, -1)
+    attn = _SAFE_SOFTMAX(attn, -1)
     if dropout_p > 0.0:
         attn = aten.native_dropout(attn, dropout_p, True)[0]
     return torch.matmul(attn, v)

@@ -83,7 +83,8 @@ class ValueShadows(TorchDispatchMode):
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         device = kwargs.get("device")
-        shadow = (ok and not draws_random(func) and func not in _UNINITIALIZED and outs and all(t.numel() <= self.limit for t in outs)
+        shadow = (ok and not draws_random(func) and func not in _UNINITIALIZED and outs
+                  and all(t.numel() <= self.limit for t in outs)
                   and (device is None or torch.device(device).type == "cpu"))
         if shadow:
             with _disable_current_modes():
