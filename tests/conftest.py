@@ -4,6 +4,8 @@ import warnings
 import pytest
 import torch
 
+import remat
+
 #: Small zoo sizes for the profile, plan and conflict tests (seconds each).
 SMALL = {
     "seed-cifar": {"batch": 16},
@@ -74,3 +76,14 @@ def assert_state_equal(a, b):
         assert torch.equal(a.buffers[name], b.buffers[name]), name
     assert a.training == b.training
     assert torch.equal(a.cpu_rng, b.cpu_rng)
+
+
+def measure_assignment(zoo, assignment, *, warmup=0, repeat=1):
+    """``remat.measure`` with every block of ``assignment`` wrapped in its policy (unwrapped after)."""
+    modules = dict(zoo.model.named_modules())
+    try:
+        for name, policy in assignment.items():
+            remat.wrap(modules[name], policy=policy)
+        return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=warmup, repeat=repeat)
+    finally:
+        remat.remove(zoo.model)

@@ -10,6 +10,8 @@ import torch
 import remat
 from remat.zoo import build
 
+from conftest import measure_assignment
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MODELS = {"gpt2": {}, "llama": {}}  # zoo defaults: 6 blocks each
 
@@ -23,13 +25,7 @@ def _on_cuda(name):
 
 
 def _measured(zoo, assignment):
-    modules = dict(zoo.model.named_modules())
-    try:
-        for block, policy in assignment.items():
-            remat.wrap(modules[block], policy=policy)
-        return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=1, repeat=1)
-    finally:
-        remat.remove(zoo.model)
+    return measure_assignment(zoo, assignment, warmup=1)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -10,7 +10,7 @@ import remat
 from remat.core._state import capture
 from remat.profiling._blocks import find_blocks
 from remat.zoo import build
-from conftest import SMALL, assert_state_equal
+from conftest import SMALL, assert_state_equal, measure_assignment
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +24,7 @@ def profiles():
 
 
 def _measured(zoo, assignment):
-    modules = dict(zoo.model.named_modules())
-    try:
-        for name, policy in assignment.items():
-            remat.wrap(modules[name], policy=policy)
-        return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
-    finally:
-        remat.remove(zoo.model)
+    return measure_assignment(zoo, assignment).peak_bytes
 
 
 def _assignments(names):
