@@ -6,8 +6,9 @@ previous output and one from two blocks back), blocks that also return an auxili
 loss term, dropout, BatchNorm, and planning in eval mode. Properties (issue #21):
 
 * the peak model never under-predicts a mixed assignment; without auxiliary outputs it
-  is exact (within 0.5%); with them it is on the safe side (NOTE [Storages across
-  blocks]: where in a segment an early recomputation runs is not known);
+  is exact (within 0.5%); with them it is on the safe side within 5% (NOTE [Where a
+  recomputation runs]: an early recomputation is replayed at its position in the
+  segment that hosts it);
 * every plan ``remat.auto`` returns measures within its budget, and a lower budget
   never gives a higher measured peak.
 """
@@ -22,6 +23,7 @@ from torch import nn
 import remat
 
 POLICIES = ("keep", "selective", "full")
+AUX_SLACK = 0.05
 
 
 class GenBlock(nn.Module):
@@ -118,8 +120,10 @@ def test_the_peak_model_never_under_predicts(spec: dict, picks: list[list[str]])
         assignment = dict(zip(names, pick))
         predicted, measured = prof.predict_peak(assignment), _measured(model, x, assignment)
         assert measured <= predicted, (assignment, predicted, measured)
-        if not has_aux:
-            assert predicted - measured <= 0.005 * measured, (assignment, predicted, measured)
+        # An aux output's backward recomputes its block early, inside a segment of another run: replayed
+        # there at its position (NOTE [Where a recomputation runs]), once charged at the segment's peak (+30%).
+        slack = AUX_SLACK if has_aux else 0.005
+        assert predicted - measured <= slack * measured, (assignment, predicted, measured)
 
 
 @SETTINGS

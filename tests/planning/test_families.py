@@ -14,9 +14,10 @@ For budgets from the un-checkpointed peak down to the lowest any plan reaches:
 * the plain plan's measured peak is within its predicted peak + 0.5%, and so is every
   mix of policies tried;
 * no mix is under-predicted at all (the peak model's promise, NOTE [Storages across
-  blocks]); Mixtral breaks it by one layer's router logits per selective block (xfail,
-  strict: the router logits leave each layer through transformers' output-capturing
-  hook on the router, not as the layer's return value, so the ledger does not see them);
+  blocks]), Mixtral included: its router logits leave each layer through transformers'
+  output-capturing hook on the router, not as the layer's return value, so the ledger
+  follows every storage a block makes and frees elsewhere (once 38 of 81 mixes were
+  under by up to one layer's logits per selective block);
 * ``remat.auto`` (verify on) returns a plan measured within the budget, or refuses with
   a ``RematError``.
 
@@ -117,19 +118,7 @@ def test_mixed_assignments_measure_within_their_prediction(name):
         assert measured <= predicted * (1 + TOLERANCE), f"{name} {pattern}: predicted {predicted}, measured {measured}"
 
 
-_MIXTRAL_UNDER = (
-    "router logits leave each Mixtral layer through transformers' OutputRecorder hook on mlp.gate, not as the "
-    "layer's output, so the crossing ledger misses them: a selective layer holds its logits (the gate's matmul "
-    "output) until its backward while the walk frees them with the loss (glue from the last block's run). "
-    "Here 'sf' predicted 881240 B, measured 882264 B (+1024 B = one layer's logits, +0.116%); at the benchmark "
-    "size (4 layers, 4 x 64 tokens) 38 of 81 mixes are under, worst 'sssk' +12288 B (+0.066%)"
-)
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_MIXTRAL_UNDER)) if n == "mixtral" else n
-    for n in FAMILIES
-])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_no_mix_is_under_predicted(name):
     # Stricter than the tolerance above: the peak model promises never to under-predict.
     model, inputs, prof = _family(name)

@@ -98,6 +98,8 @@ class StorageTracker(TorchDispatchMode):
         """Bytes of unlisted storages that existed before tracking (NOTE [Resting storages nobody listed])."""
         self.on_op = on_op
         self.on_free = on_free
+        self.made = 0
+        """How many storages it has seen made (a clock of allocations, for the profiler)."""
         """Called with a storage's key and bytes right after it is freed (``current`` already lowered)."""
 
     def _freed(self, key: int, _ref: weakref.ref) -> None:
@@ -118,6 +120,7 @@ class StorageTracker(TorchDispatchMode):
         nbytes = st.nbytes()
         old = self.live.get(key)
         if old is None:
+            self.made += 1
             self.live[key] = nbytes
             self._refs[key] = weakref.ref(st, lambda r, k=key: self._freed(k, r))
             self.current += nbytes

@@ -60,6 +60,22 @@ def is_recomputing() -> bool:
     return getattr(_local, "recomputing", 0) > 0
 
 
+def in_bookkeeping() -> bool:
+    """True while remat copies a buffer or input for itself (not an op of the user's model)."""
+    return getattr(_local, "bookkeeping", 0) > 0
+
+
+@contextlib.contextmanager
+def _bookkeeping() -> Iterator[None]:
+    # The profiler tells the model's own storages from remat's copies by this flag (NOTE [Storages
+    # across blocks] in remat.profiling._crossing): a copy exists only in checkpointed runs.
+    _local.bookkeeping = getattr(_local, "bookkeeping", 0) + 1
+    try:
+        yield
+    finally:
+        _local.bookkeeping -= 1
+
+
 _observer: list[tuple[Callable[[Any, Any], None], Any, Any]] = []
 """The profiler's recompute observer. Process-wide, not per thread: on CUDA autograd runs
 backward, and so every recomputation, on a device thread of its own, which a thread-local
@@ -189,7 +205,7 @@ class Region:
     def note_write(self, t: torch.Tensor) -> None:
         key = storage_key(t)
         if key in self.watched and key not in self.before:
-            with torch.no_grad():
+            with torch.no_grad(), _bookkeeping():
                 self.before[key] = self.watched[key].detach().clone()
 
     def finish_forward(self) -> Learned | None:

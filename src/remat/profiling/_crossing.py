@@ -17,8 +17,18 @@ profile records where each block's recomputation ran in each policy's run and wh
 it added to live bytes; the walk moves it to where the block's policy under ``A``
 runs it (its excess added on the safe side: where in the segment it runs is not known).
 
+A storage can also leave a block without being returned: a forward hook on one of its
+sub-modules keeps it for the loss (transformers collects Mixtral's router logits so).
+A selective block keeps it in its cache until its backward, a kept or full one lets
+the hook's list free it with the loss. So every storage a block's forward makes (not
+remat's own copies, not autocast's weight casts, which have their own account) is
+followed too, and kept in the profile when some run frees it outside the block's own
+forward and backward (measured: 38 of 81 Mixtral mixes were under by up to one
+layer's router logits per selective block before).
+
 So the profile records every storage a block call receives or returns that is not
-resting (a *crossing* storage): its size, the call that made it (if a block did), the
+resting, and every storage a block makes that some run frees elsewhere (a *crossing*
+storage): its size, the call that made it (if a block did), the
 calls that receive it, and, per policy run, the segment in which it was freed and the
 most live bytes after the free in that segment. In the run of policy ``p`` it is freed
 at the latest release of its holders: the Python lifetime and glue that saves it (the
@@ -42,7 +52,7 @@ the block holds under every policy, nothing moves, and the model is exact as bef
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Key = tuple[str, "str | None", int]
 
@@ -110,15 +120,80 @@ class Recompute:
     """Per policy: live bytes after it minus before (what it rebuilt and keeps for the block's backward)."""
     excess: dict[str, int]
     """Per policy: most live bytes during it above its start."""
+    swap: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Where it runs outside its block's backward: the excess of the segment hosting it, taken from the run of
+    policy q, when the block's policy is m instead (swap[q][m]); empty where not known (NOTE below)."""
 
     def to_json(self) -> dict:
         return {"block": self.block, "index": self.index, "at": {p: list(k) for p, k in self.at.items()},
-                "delta": self.delta, "excess": self.excess}
+                "delta": self.delta, "excess": self.excess, "swap": self.swap}
 
     @classmethod
     def from_json(cls, data: dict) -> Recompute:
         return cls(data["block"], int(data["index"]), {p: tuple(k) for p, k in data["at"].items()},
-                   {p: int(v) for p, v in data["delta"].items()}, {p: int(v) for p, v in data["excess"].items()})
+                   {p: int(v) for p, v in data["delta"].items()}, {p: int(v) for p, v in data["excess"].items()},
+                   {q: {m: int(v) for m, v in row.items()} for q, row in data.get("swap", {}).items()})
+
+
+# NOTE [Where a recomputation runs]
+# A recomputation moved into a segment taken from another policy's run (an aux output's
+# backward reaching into a block early) was charged at that segment's peak: safe, but up
+# to 30% over on generated models with aux losses. Ops run in the same order in every
+# policy's run outside recomputations, so the number of allocating ops before a
+# recomputation began is a position that holds in every run. The recorder keeps each
+# segment's live bytes after every op (a trajectory) with that count; for a block
+# recomputed outside its own backward, the profile replays the hosting segment of each
+# run q with the block's recomputation taken out and the one of policy m put in at its
+# position, and keeps the segment's excess for every (q, m). Done where one such block
+# is recomputed in the segment (two would interact); elsewhere the safe charge stays.
+Trajectory = list[tuple[int, int, int]]
+
+
+def _replayed(points: Trajectory, removed: tuple[tuple[int, int], int] | None,
+              inserted: tuple[int, int, int] | None) -> int:
+    """Most live bytes above the segment start once ``removed`` ((span), delta) is taken out of ``points``
+    and ``inserted`` (position, delta, excess) put in."""
+    if removed is not None:
+        (start, end), delta = removed
+        points = points[:start] + [(n, live - delta, top - delta) for n, live, top in points[end:]]
+    top = max((t for _, _, t in points), default=0)
+    if inserted is None:
+        return max(top, 0)
+    at, delta, excess = inserted
+    # It began after the at-th allocating op, somewhere among the ops that allocate nothing after it (views,
+    # in-place ops, frees in between): on the safe side, at the most live of them, all of them after it.
+    cut = next((i for i, (n, _, _) in enumerate(points) if n >= at), len(points))
+    window = [live for n, live, _ in points[cut:] if n == at] or [points[cut - 1][1] if cut else 0]
+    before = max((t for _, _, t in points[:cut]), default=0)
+    after = max((t + delta for _, _, t in points[cut:]), default=0)
+    return max(before, max(window) + excess, after, 0)
+
+
+def swap_excesses(
+    block: str, runs: Mapping[str, Mapping], trajectories: Mapping[str, Mapping[Key, Trajectory]], crowded: set,
+) -> dict[str, dict[str, int]]:
+    """swap[q][m] for one recomputation (NOTE [Where a recomputation runs]); ``runs``: per policy that ran it,
+    its record (segment, delta, excess, allocs, span); ``crowded``: segments hosting several such blocks."""
+    hosts = {tuple(r["segment"]) for r in runs.values()}
+    if len(hosts) != 1:
+        return {}
+    (host,) = hosts
+    if host[1] == block or host in crowded or any(r.get("span") is None for r in runs.values()):
+        return {}
+    if any(host not in t for t in trajectories.values()):
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for q, by_key in trajectories.items():
+        mine = runs.get(q)
+        removed = (tuple(mine["span"]), mine["delta"]) if mine else None
+        row = out[q] = {}
+        for m in trajectories:
+            if m == q:
+                continue
+            theirs = runs.get(m)
+            inserted = (theirs["allocs"], theirs["delta"], theirs["excess"]) if theirs else None
+            row[m] = _replayed(by_key[host], removed, inserted)
+    return out
 
 
 def corrections(
@@ -126,8 +201,9 @@ def corrections(
     recomputes: Sequence[Recompute],
     steps: Sequence[tuple[Key, str]],
     assignment: Mapping[str, str],
-) -> dict[int, tuple[int, int, int]]:
-    """Per walk index: (bytes to add to the delta, excess it must at least reach, bytes to add to the excess).
+) -> dict[int, tuple[int, int, int, int | None]]:
+    """Per walk index: (bytes to add to the delta, excess it must at least reach, bytes to add to the excess,
+    the segment's excess in place of the run's: None to keep it).
 
     ``steps`` is the walk: (segment key, the policy of the run it is taken from).
     """
@@ -151,6 +227,8 @@ def corrections(
         entry[1] = max(c.after[policy] for c in kept) + added
     for r in recomputes:
         mine = assignment.get(r.block, "keep")
+        if r.swap and _swapped(r, mine, position, steps, out):
+            continue
         for policy, key in r.at.items():
             i = position.get(key)
             if i is None:
@@ -162,4 +240,23 @@ def corrections(
                 entry = out.setdefault(i, [0, 0, 0])
                 entry[0] += r.delta[policy]
                 entry[2] += max(r.excess[policy], 0)
-    return {i: (d, e, x) for i, (d, e, x) in out.items()}
+    return {i: (d, e, x, base) for i, (d, e, x, *rest) in out.items() for base in [rest[0] if rest else None]}
+
+
+def _swapped(r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequence[tuple[Key, str]],
+             out: dict[int, list]) -> bool:
+    """Apply ``r``'s swap table to its hosting segment; False where the walk has no such segment."""
+    (host,) = set(r.at.values())
+    i = position.get(host)
+    if i is None:
+        return False
+    taken_from = steps[i][1]
+    if taken_from == mine:
+        return True
+    entry = out.setdefault(i, [0, 0, 0])
+    entry[0] += r.delta.get(mine, 0) - r.delta.get(taken_from, 0)
+    if len(entry) == 4:  # a second swap in one segment: the tables do not compose, keep the larger
+        entry[3] = max(entry[3], r.swap[taken_from][mine])
+    else:
+        entry.append(r.swap[taken_from][mine])
+    return True

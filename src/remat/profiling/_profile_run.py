@@ -19,10 +19,10 @@ from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core.checkpoint import POLICIES, wrap
 from remat.core.measure import device_of
 from remat.errors import RematError
-from remat.profiling._crossing import Crossing, Recompute
+from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
 
-Ledger = tuple[dict[tuple, dict], dict[tuple, dict]]
+Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list]]
 """What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
@@ -81,7 +81,8 @@ def traced_step(
     with recorder, tracker:
         _run_step(model, inputs, loss_fn, recorder)
     resting = allocator.base if allocator is not None else storage_bytes(_resting(model, inputs))
-    return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes)
+    return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
+                                                           recorder.trajectories)
 
 
 def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str]) -> list[Segment]:
@@ -255,7 +256,8 @@ def _assemble(
         bwd_order=[s.key for s in keep if s.phase == "bwd"],
         segments=segments,
         crossings=_crossings({p: ledger[0] for p, ledger in (crossings or {}).items()}),
-        recomputes=_recomputes({p: ledger[1] for p, ledger in (crossings or {}).items()}),
+        recomputes=_recomputes({p: ledger[1] for p, ledger in (crossings or {}).items()},
+                               {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2}),
         fake=fake,
         target=target,
         notes=list(notes),
@@ -268,7 +270,7 @@ def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:
         return []
     out = []
     for ident, record in per_policy["keep"].items():
-        if all(ident in runs for runs in per_policy.values()):
+        if all(ident in runs for runs in per_policy.values()) and not _stays_home(ident, per_policy):
             out.append(Crossing(
                 nbytes=record["nbytes"],
                 producer=record["producer"],
@@ -279,18 +281,45 @@ def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:
     return out
 
 
-def _recomputes(per_policy: dict[str, dict[tuple, dict]]) -> list[Recompute]:
+def _stays_home(ident: tuple, per_policy: dict[str, dict[tuple, dict]]) -> bool:
+    """A storage a block made that every run frees in that block's own segments (or never): nothing moves."""
+    if ident[2] != "made":
+        return False
+    home = {("fwd", ident[0], ident[1]), ("bwd", ident[0], ident[1]), None}
+    return all(_key(runs[ident]["freed"]) in home for runs in per_policy.values())
+
+
+def _key(freed: Any) -> Any:
+    return None if freed is None else tuple(freed)
+
+
+def _recomputes(per_policy: dict[str, dict[tuple, dict]], trajectories: dict[str, dict[tuple, list]]) -> list[Recompute]:
     """One :class:`Recompute` per (block, k-th recomputation) seen in any policy's run."""
     idents = dict.fromkeys(i for runs in per_policy.values() for i in runs)
-    return [
-        Recompute(
+    if set(trajectories) != set(per_policy):
+        trajectories = {}
+    crowded = _crowded(per_policy)
+    out = []
+    for block, k in idents:
+        ran = {p: runs[(block, k)] for p, runs in per_policy.items() if (block, k) in runs}
+        out.append(Recompute(
             block=block, index=k,
-            at={p: runs[(block, k)]["segment"] for p, runs in per_policy.items() if (block, k) in runs},
-            delta={p: runs[(block, k)]["delta"] for p, runs in per_policy.items() if (block, k) in runs},
-            excess={p: runs[(block, k)]["excess"] for p, runs in per_policy.items() if (block, k) in runs},
-        )
-        for block, k in idents
-    ]
+            at={p: r["segment"] for p, r in ran.items()},
+            delta={p: r["delta"] for p, r in ran.items()},
+            excess={p: r["excess"] for p, r in ran.items()},
+            swap=swap_excesses(block, ran, trajectories, crowded) if trajectories else {},
+        ))
+    return out
+
+
+def _crowded(per_policy: dict[str, dict[tuple, dict]]) -> set:
+    """Segments in which some run recomputed two or more blocks other than the segment's own."""
+    hosted: dict[tuple, set] = defaultdict(set)
+    for runs in per_policy.values():
+        for (block, _), r in runs.items():
+            if r["segment"][1] != block:
+                hosted[tuple(r["segment"])].add(block)
+    return {key for key, blocks in hosted.items() if len(blocks) > 1}
 
 
 def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ tensors (``remat.bench.max_batch`` does), never to decide that a plan fits.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from remat.errors import RematError
 from remat.profiling._types import BlockProfile, Profile, SegmentCost
@@ -66,7 +67,8 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
     )
     crossings = [replace(c, nbytes=nbytes(c.nbytes, d.nbytes), after=per_policy(c.after, d.after))
                  for c, d in zip(p1.crossings, p2.crossings)]
-    recomputes = [replace(r, delta=per_policy(r.delta, s.delta), excess=per_policy(r.excess, s.excess))
+    recomputes = [replace(r, delta=per_policy(r.delta, s.delta), excess=per_policy(r.excess, s.excess),
+                          swap=_scaled_swap(r.swap, s.swap, nbytes))
                   for r, s in zip(p1.recomputes, p2.recomputes)]
     return replace(
         p1, blocks=blocks, segments=segments, crossings=crossings, recomputes=recomputes,
@@ -74,3 +76,9 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
         notes=[*p1.notes, f"scaled to batch {batch} from profiles at batches {b1} and {b2}"],
     )
 
+
+def _scaled_swap(a: dict, b: dict, nbytes: Any) -> dict:
+    """A recomputation's swap table carried like every byte count; dropped (the safe charge) unless both match."""
+    if not a or {q: set(row) for q, row in a.items()} != {q: set(row) for q, row in b.items()}:
+        return {}
+    return {q: {m: nbytes(v, b[q][m]) for m, v in row.items()} for q, row in a.items()}

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
-from remat.core._region import recompute_observer
+from remat.core._region import in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core.checkpoint import SAVE_OPS
 
@@ -142,10 +142,18 @@ class SegmentRecorder:
         self.crossings: dict[tuple, dict[str, Any]] = {}
         """Storages block calls receive from outside them, by first sighting (NOTE [Storages across blocks])."""
         self._crossing_of: dict[int, tuple] = {}
+        self._made: dict[int, tuple] = {}
+        """Storages a block's forward made, not (yet) seen crossing: kept if they escape it."""
+        self._made_count: dict[tuple[str, int], int] = {}
         self._freed_here: list[dict[str, Any]] = []
         self.recomputes: dict[tuple[str, int], dict[str, Any]] = {}
         """Each block's recomputations: (block, k-th) -> segment it ran in, delta and excess of live bytes."""
         self._recomputing: list[Any] | None = None
+        self.trajectories: dict[tuple, list[tuple[int, int, int]]] = {}
+        """Per segment, after each op: (allocating ops outside recomputations so far, live, top) above its
+        start (NOTE [Where a recomputation runs] in remat.profiling._crossing); with a tracker only."""
+        self._trajectory: list[tuple[int, int, int]] | None = None
+        self._allocs, self._made_seen = 0, 0
         self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
         self._casts: dict[int, Segment] = {}
         if tracker is not None:
@@ -167,7 +175,11 @@ class SegmentRecorder:
                 seg.max_live = max(seg.max_live, self.allocator.peak())
             self._marks.append((seg, self._opened, self.clock.mark(), "seconds"))
             self._raise_after(seg.end_live - seg.start_live)
+            if self._trajectory is not None:
+                end = seg.end_live - seg.start_live
+                self._trajectory.append((self._allocs, end, end))
         self._current = None
+        self._trajectory = None
         self._freed_here = []
 
     @staticmethod
@@ -199,6 +211,9 @@ class SegmentRecorder:
         self._opened = self.clock.mark()
         self._current = Segment(phase, block, occurrence, live, live, live)
         self.segments.append(self._current)
+        if self.tracker is not None and self.allocator is None:
+            self._trajectory = self.trajectories[self._current.key] = []
+            self._allocs = 0
 
     def finish(self) -> None:
         """Close the last segment and read every time mark (one synchronisation on CUDA)."""
@@ -232,6 +247,9 @@ class SegmentRecorder:
         keys = dict.fromkeys(st._cdata for t in tensors_in(value) for st in storages(t))
         out = []
         for j, key in enumerate(k for k in keys if k in self.tracker.live):
+            made = self._made.pop(key, None)
+            if made is not None:
+                del self.crossings[made]
             ident = self._crossing_of.get(key)
             if ident is None:
                 ident = self._crossing_of[key] = (block, occurrence, side, j)
@@ -240,11 +258,32 @@ class SegmentRecorder:
             out.append(ident)
         return out
 
+    def _note_made(self, seg: Segment, out: Any) -> None:
+        """Every storage a block's forward makes, by order of making (stable across runs)."""
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            for st in storages(t):
+                key = st._cdata
+                seen = key in self._made or key in self._crossing_of or key in self._casts
+                if seen or not self.tracker.live.get(key):
+                    continue
+                j = self._made_count.get((seg.block, seg.occurrence), 0)
+                self._made_count[(seg.block, seg.occurrence)] = j + 1
+                ident = self._made[key] = (seg.block, seg.occurrence, "made", j)
+                self.crossings[ident] = {"nbytes": self.tracker.live[key], "producer": seg.key, "receivers": [],
+                                         "freed": None, "after": 0}
+
     def _crossing_freed(self, key: int) -> None:
-        ident = self._crossing_of.pop(key, None)
+        ident = self._crossing_of.pop(key, None) or self._made.pop(key, None)
         if ident is None or self._current is None:
             return
         record = self.crossings[ident]
+        if ident[2] == "made" and self._recomputing is not None and self._recomputing[0] == ident[0]:
+            # Used up by its own block's recomputation (a selective cache entry): the recomputation's
+            # change in live bytes already counts it, wherever the recomputation runs.
+            record["freed"] = ("bwd", ident[0], ident[1])
+            return
         record["freed"] = self._current.key
         record["after"] = self._live() - self._current.start_live
         self._freed_here.append(record)
@@ -265,9 +304,16 @@ class SegmentRecorder:
         self._raise_after(live + extra - seg.start_live)
         if self._recomputing is not None:
             self._recomputing[2] = max(self._recomputing[2], live + extra)
-        if func is _TO_COPY and _weight_cast(args[0], out):
+        if self._trajectory is not None:
+            if self._recomputing is None and self.tracker.made != self._made_seen:
+                self._allocs += 1
+            self._made_seen = self.tracker.made
+            self._trajectory.append((self._allocs, live - seg.start_live, live + extra - seg.start_live))
+        if func is _TO_COPY and _weight_cast(args[0], out):  # autocast's cache: its own account (_casts)
             for st in storages(out):
                 self._casts[st._cdata] = seg
+        elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None and not in_bookkeeping():
+            self._note_made(seg, out)
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops
@@ -302,7 +348,8 @@ class SegmentRecorder:
 
     def _on_recompute_start(self, owner: nn.Module | None) -> None:
         live = self._live()
-        self._recomputing = [self._names.get(id(owner)), live, live]
+        span = len(self._trajectory) if self._trajectory is not None else None
+        self._recomputing = [self._names.get(id(owner)), live, live, span, self._allocs]
 
     def _on_recompute(self, start: Any, end: Any) -> None:
         if self._current is not None:
@@ -310,10 +357,11 @@ class SegmentRecorder:
         event, self._recomputing = self._recomputing, None
         if event is None or event[0] is None or self.tracker is None or self._current is None:
             return
-        block, begun, top = event
+        block, begun, top, start, allocs = event
         k = sum(1 for b, _ in self.recomputes if b == block)
         self.recomputes[(block, k)] = {"segment": self._current.key, "delta": self._live() - begun,
-                                       "excess": max(top, self._live()) - begun}
+                                       "excess": max(top, self._live()) - begun, "allocs": allocs,
+                                       "span": None if start is None else (start, len(self._trajectory))}
 
     def __enter__(self) -> SegmentRecorder:
         self._observing = recompute_observer(self._on_recompute, self.clock, self._on_recompute_start)

@@ -156,8 +156,8 @@ class Profile:
         live, pending, out = self.resting_bytes, 0, []
         for i, (key, policy) in enumerate(steps):
             cost = self.segments[policy][key]
-            added, at_least, extra = fixes.get(i, (0, 0, 0))
-            top = live + max(cost.excess, at_least) + extra
+            added, at_least, extra, replaced = fixes.get(i, (0, 0, 0, None))
+            top = live + max(cost.excess if replaced is None else replaced, at_least) + extra
             if key in releases:  # free the casts this composed step made, not those of the run
                 if cost.cast_release:
                     top = max(top, live + cost.excess_released - pending + extra)
