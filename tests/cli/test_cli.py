@@ -284,7 +284,7 @@ BAD = {
     "missing-file": (["profile", "nope.py:make"], ["'nope.py' does not exist"]),
     "missing-factory": (["profile", "models.py:nope"], ["no function 'nope'", "seed000"]),
     "wrong-return": (["profile", "models.py:not_a_model"], ["returned a Linear", "(model, inputs)"]),
-    "bad-budget": (["plan", "seed-cifar", "--budget", "5lbs"], ["cannot read budget '5lbs'"]),
+    "bad-budget": (["plan", "seed-cifar", "--budget", "5lbs"], ["budget='5lbs' cannot be read"]),
 }
 
 # The same checks, in process (no interpreter start-up): input the command line validates itself.
