@@ -10,14 +10,15 @@ from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from remat.errors import RematError
+from remat.planning._plan_checks import check_plan_fields
 from remat.planning._solve import cast_credits, chain_of, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
 __all__ = ["Plan", "parse_budget", "plan"]
 
-PLAN_SCHEMA = 2
-_PLAN_SCHEMAS_READ = (1, 2)  # 1: before training, measured_peak_bytes and notes
+PLAN_SCHEMA = 3
+_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _ACCEPTED = ("a fraction 0 < f <= 1 of the peak without checkpointing (0.5, '0.5', '50%'), bytes with a unit "
@@ -51,6 +52,9 @@ class Plan:
     """Peak of one real step with the plan applied, measured by ``remat.auto`` (None: not measured)."""
     notes: tuple[str, ...] = ()
     """What ``remat.auto`` did to make the plan fit (re-plans with a margin), in order."""
+    parameters: int | None = None
+    """Parameter elements of the profiled model; ``remat.apply`` refuses a model with another count
+    (None: not recorded, in plans saved before remat recorded it)."""
 
     @property
     def verified(self) -> bool:
@@ -95,10 +99,11 @@ class Plan:
         fields = set(cls.__dataclass_fields__)
         required = {n for n, f in cls.__dataclass_fields__.items() if f.default is MISSING}
         if not required <= set(data) <= fields:
-            raise RematError(f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}.")
-        bad = {b: p for b, p in data["assignment"].items() if p not in ("keep", "selective", "full")}
-        if bad:
-            raise RematError(f"remat.Plan.from_json: unknown policies {bad}; use keep, selective or full.")
+            raise RematError(
+                f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}: missing "
+                f"{sorted(required - set(data))}, unknown {sorted(set(data) - fields)}."
+            )
+        check_plan_fields(data)
         return cls(**{**data, "notes": tuple(data.get("notes", ()))})
 
 
@@ -214,6 +219,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
         strategy=strategy,
         model=profile.model,
         training=profile.training,
+        parameters=profile.parameters,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from remat.core._user_errors import model_errors, require_module
 from remat.errors import RematError
 from remat.profiling._types import Profile
 
@@ -52,6 +53,7 @@ def profile(
     from remat.profiling._blocks import find_blocks
     from remat.profiling._profile_run import validate_policies
 
+    require_module(model, "remat.profile")
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     names = find_blocks(model, blocks)
@@ -71,11 +73,13 @@ def profile(
     try:
         if training is not None:
             model.train(training)
-        prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target)
+        with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
+            prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target)
     finally:
         for m, mode in modes.items():
             m.training = mode
     prof.training = model.training if training is None else training
+    prof.parameters = sum(p.numel() for p in model.parameters())
     return prof
 
 

@@ -1,0 +1,80 @@
+"""Errors raised by the user's model while remat runs it, told with where and when.
+
+NOTE [Which step, which block]
+``remat.profile``, ``remat.measure`` and ``remat.auto`` run training steps of the
+user's model; an exception from it used to come out raw, with nothing to say it
+happened inside remat's step, in which block, or that the model was restored. The
+error is wrapped in a RematError naming the step and the innermost module of the
+model on the traceback (and the block it belongs to), with the original as
+``__cause__``. remat's own errors pass through as they are, and so does
+``torch.OutOfMemoryError``: code that catches it to shrink a batch keeps working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from remat.errors import RematError
+
+
+def _innermost_module(model: nn.Module, tb: TracebackType | None) -> str | None:
+    """The qualified name of the deepest module of ``model`` whose method is on the traceback."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def where_raised(model: nn.Module, exc: BaseException, blocks: Iterable[str] = ()) -> str:
+    """`` in block 'b' (module 'b.m')``, `` in module 'm'`` or ``""`` (outside the model: the loss, say)."""
+    module = _innermost_module(model, exc.__traceback__)
+    if module is None:
+        return ""
+    if module == "":
+        return f" in {type(model).__name__}.forward (outside every block)" if blocks else ""
+    block = next((b for b in blocks if module == b or module.startswith(b + ".")), None)
+    if block is None:
+        return f" in module {module!r}"
+    return f" in block {block!r}" + (f" (module {module!r})" if module != block else "")
+
+
+@contextlib.contextmanager
+def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = ()) -> Iterator[None]:
+    """Re-raise an exception from ``model`` during ``step`` as a RematError (NOTE above)."""
+    try:
+        yield
+    except (RematError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise RematError(
+            f"{api}: the training step raised {type(exc).__name__}{where_raised(model, exc, list(blocks))} during "
+            f"{step}: {exc}. The model was restored; fix the error (run one step yourself, or see this error's "
+            "__cause__, for the full traceback), then call again."
+        ) from exc
+
+
+def require_module(model: object, api: str) -> None:
+    """A RematError unless ``model`` is an ``nn.Module`` (remat finds blocks and restores state through it)."""
+    if not isinstance(model, nn.Module):
+        hint = " (a function: wrap it in an nn.Module, or checkpoint it with remat.checkpoint)" if callable(model) else ""
+        raise RematError(f"{api}: model must be a torch.nn.Module, got {type(model).__name__}{hint}.")
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that remat.wrap checkpoints (the blocks of a measured step)."""
+    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _wrapped_type())]
+
+
+def _wrapped_type() -> type:
+    from remat.core.checkpoint import _CheckpointedForward  # checkpoint imports torch's checkpoint: load on use
+
+    return _CheckpointedForward
