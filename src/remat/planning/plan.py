@@ -82,6 +82,9 @@ class Plan:
         if self.measured_peak_bytes is not None:
             verdict = "within the budget" if self.verified else "OVER the budget"
             text += f" Measured peak of one real step: {human_bytes(self.measured_peak_bytes)} ({verdict})."
+        elif self.budget_bytes is not None and self.predicted_peak_bytes > self.budget_bytes:
+            text += (f" Predicted OVER the budget by {human_bytes(self.predicted_peak_bytes - self.budget_bytes)}: "
+                     f"the {self.strategy} strategy does not look at the budget; the optimal one fits it.")
         text += "".join(f" {note}" for note in self.notes)
         if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
             text += (" No plan lowers this model's peak by more than 1%: the peak is set where "

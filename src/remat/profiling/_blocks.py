@@ -115,3 +115,27 @@ def check_block_modules(model: nn.Module, names: Iterable[str], *, api: str) -> 
                 "keeps what checkpointing it would keep, so it saves nothing. Name the module that contains it"
                 f"{f' ({parent!r})' if parent else ''} or a group of layers instead."
             )
+
+
+def _lone_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Non-leaf modules alone in a ModuleList / Sequential: how a model that shares one layer
+    across depth (ALBERT) holds it; its forward calls that layer once per depth."""
+    found = []
+    for name, module in model.named_modules():
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) == 1 and not _is_leaf(children[0][1]):
+            if not any(name.startswith(f"{outer}.") for outer, _ in found):
+                found.append((f"{name}.{children[0][0]}" if name else children[0][0], children[0][1]))
+    return found
+
+
+def suggest_blocks(model: nn.Module) -> str:
+    """A hint for a model with no repeated children: its shared layer, else its largest submodules."""
+    lone = _lone_layers(model)
+    if lone:
+        name, layer = lone[0]
+        return (f"; {name!r} ({type(layer).__name__}) is the only layer in its list, the shape of a layer "
+                f"shared across depth (ALBERT): blocks=[{name!r}] checkpoints it, each call recomputed in backward")
+    sizes = sorted(((sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules()
+                    if n and not _is_leaf(m)), reverse=True)
+    return f", e.g. {[n for _, n in sizes[:3]]}" if sizes else ""

@@ -50,7 +50,7 @@ def profile(
             profiles eval mode; ``None`` the model's modes as they are. The
             model's modes are restored afterwards.
     """
-    from remat.profiling._blocks import find_blocks
+    from remat.profiling._blocks import find_blocks, suggest_blocks
     from remat.profiling._profile_run import validate_policies
 
     require_module(model, "remat.profile")
@@ -60,7 +60,7 @@ def profile(
     if not names:
         raise RematError(
             f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated "
-            "children); pass blocks=[...] with the module names to consider."
+            f"children); pass blocks=[...] with the module names to consider{suggest_blocks(model)}."
         )
     policies = validate_policies(policies)
     if training is not None and not isinstance(training, bool):
