@@ -78,3 +78,19 @@ def _wrapped_type() -> type:
     from remat.core.checkpoint import _CheckpointedForward  # checkpoint imports torch's checkpoint: load on use
 
     return _CheckpointedForward
+
+
+def check_devices(model: nn.Module, inputs: object, api: str) -> None:
+    """A RematError when every parameter sits on one device and an input tensor on another."""
+    from remat.core._step import input_tensors
+
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return  # no parameters, or a model spread over devices on purpose
+    (device,) = devices
+    stray = next((t.device for t in input_tensors(inputs) if t.device != device), None)
+    if stray is not None:
+        raise RematError(
+            f"{api}: the model's parameters are on {device} but an input tensor is on {stray}; move the inputs "
+            f"with .to({str(device)!r}) (or the model with model.to({str(stray)!r}))."
+        )

@@ -28,7 +28,7 @@ from torch import nn
 
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
-from remat.core._user_errors import checkpointed_modules, model_errors, require_module
+from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
 from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat.errors import RematError
 
@@ -141,6 +141,7 @@ def measure(
         repeat: timed steps; the reported time is their median.
     """
     require_module(model, "remat.measure")
+    check_devices(model, inputs, "remat.measure")
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     device = device_of(model, inputs)

@@ -116,6 +116,7 @@ def auto(
     Nothing is applied when profiling, planning or verification fails.
     """
     require_module(model, "remat.auto")
+    parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from remat.core._user_errors import model_errors, require_module
+from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import RematError
 from remat.profiling._types import Profile
 
@@ -54,6 +54,8 @@ def profile(
     from remat.profiling._profile_run import validate_policies
 
     require_module(model, "remat.profile")
+    if not fake:  # a fake profile takes a meta model with CPU inputs
+        check_devices(model, inputs, "remat.profile")
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     names = find_blocks(model, blocks)
