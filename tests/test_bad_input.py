@@ -193,7 +193,7 @@ def test_a_model_error_keeps_the_original_as_cause():
     model = _net(fail_in=2)
     with pytest.raises(remat.RematError, match=r"in Net.forward \(outside every block\) during a profiled step") as info:
         remat.profile(model, X, **PROFILE)
-    assert isinstance(info.value.__cause__, RuntimeError) and "view" in str(info.value.__cause__)
+    assert isinstance(info.value.__cause__, RuntimeError) and "[5, -1]" in str(info.value.__cause__)
 
 
 @pytest.mark.parametrize("change", ["buffer", "training", "rng", "wrap", "requires_grad"])
