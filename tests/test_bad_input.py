@@ -160,6 +160,28 @@ def _albert():
     return tf.AlbertModel(config).train()
 
 
+class _FailsInRecompute(nn.Linear):
+    def forward(self, x):
+        if remat.is_recomputing():
+            raise KeyError("cache entry gone")
+        return super().forward(x)
+
+
+def test_a_failure_in_recomputation_names_step_and_block_and_is_a_runtime_error():
+    model = _net()
+    model.blocks[2][0] = _FailsInRecompute(8, 8)
+    remat.wrap(model.blocks[2])
+    untouched = Untouched(model)
+    with pytest.raises(RuntimeError) as info:
+        remat.measure(model, X)
+    assert isinstance(info.value, remat.RecomputeError) and isinstance(info.value.__cause__, KeyError)
+    message = str(info.value)
+    assert message.startswith("remat.measure: recomputation in block 'blocks.2' (module 'blocks.2.0') failed during "
+                              "a measured step: remat.checkpoint: Sequential.forward failed when rerun"), message
+    assert "remat.is_recomputing()" in message
+    untouched.check()
+
+
 class _BadLinear(nn.Linear):
     def forward(self, x):
         raise ValueError("bad weights")

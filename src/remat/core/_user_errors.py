@@ -19,7 +19,9 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from remat.errors import RematError
+from remat.core._step import input_tensors
+from remat.core.checkpoint import is_wrapped
+from remat.errors import RecomputeError, RematError
 
 
 def _innermost_module(model: nn.Module, tb: TracebackType | None) -> str | None:
@@ -52,6 +54,9 @@ def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = 
     """Re-raise an exception from ``model`` during ``step`` as a RematError (NOTE above)."""
     try:
         yield
+    except RecomputeError as exc:  # already says what failed; add where, from the model's own exception
+        where = where_raised(model, exc.__cause__, list(blocks)) if exc.__cause__ is not None else ""
+        raise RecomputeError(f"{api}: recomputation{where} failed during {step}: {exc}") from exc.__cause__
     except (RematError, torch.OutOfMemoryError):
         raise
     except Exception as exc:
@@ -71,19 +76,11 @@ def require_module(model: object, api: str) -> None:
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` that remat.wrap checkpoints (the blocks of a measured step)."""
-    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _wrapped_type())]
-
-
-def _wrapped_type() -> type:
-    from remat.core.checkpoint import _CheckpointedForward  # checkpoint imports torch's checkpoint: load on use
-
-    return _CheckpointedForward
+    return [n for n, m in model.named_modules() if is_wrapped(m)]
 
 
 def check_devices(model: nn.Module, inputs: object, api: str) -> None:
     """A RematError when every parameter sits on one device and an input tensor on another."""
-    from remat.core._step import input_tensors
-
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:
         return  # no parameters, or a model spread over devices on purpose
