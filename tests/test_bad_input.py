@@ -234,3 +234,13 @@ def test_untouched_sees_each_kind_of_change(change):
         model.blocks[1][0].bias.requires_grad_(False)
     with pytest.raises(AssertionError):
         untouched.check()
+
+
+def test_plans_that_fit_are_applied():
+    # The checks refuse only what does not fit: the plan's own model, its FSDP2 class name
+    # (fully_shard makes FSDP<Name>), and a plan from before parameters were recorded.
+    data = json.loads(_plan_json())
+    for fields in ({}, {"model": "FSDPNet"}, {"parameters": None}):
+        model = _net()
+        remat.apply(model, remat.Plan.from_json(json.dumps({**data, **fields})))
+        assert [remat.is_wrapped(b) for b in model.blocks] == ["full"] * 3

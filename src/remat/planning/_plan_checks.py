@@ -73,9 +73,11 @@ def _refuse_root(assignment: dict[str, str], api: str) -> None:
 
 def check_plan_fits(model: nn.Module, plan: Any) -> None:
     """A RematError unless ``plan`` was made for ``model`` (NOTE above); nothing is changed."""
-    names = {cls.__name__ for cls in type(model).__mro__}  # FSDP2 subclasses the model's class
+    # FSDP2's fully_shard makes the class FSDP<Name>, a subclass: a plan made on the sharded
+    # model fits the unsharded one, and the other way round.
+    names = {cls.__name__ for cls in type(model).__mro__}
     what = type(model).__name__
-    if plan.model and plan.model not in names:
+    if plan.model and plan.model not in names and plan.model.removeprefix("FSDP") not in names:
         inside = [n for n, m in model.named_modules() if n and type(m).__name__ == plan.model]
         hint = (f" It is inside this one at {inside[0]!r}: apply the plan to that module." if inside else
                 " A plan applies to the whole model it was profiled on, not to a part of it or another model; "
