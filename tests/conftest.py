@@ -87,3 +87,27 @@ def measure_assignment(zoo, assignment, *, warmup=0, repeat=1):
         return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=warmup, repeat=repeat)
     finally:
         remat.remove(zoo.model)
+
+
+class Untouched:
+    """What bad input must leave as it was: parameters, gradients, buffers, ``training`` and
+    ``requires_grad`` flags, the RNG streams, ``state_dict`` keys, instance-level forwards
+    (remat's wrapping) and Hugging Face ``use_cache`` flags. ``Untouched(model)`` snapshots;
+    ``.check()`` asserts nothing changed."""
+
+    def __init__(self, model):
+        from remat.core._state import capture
+
+        self.model, self.before, self.keys = model, capture(model), list(model.state_dict())
+        self.forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+        self.caches = {n: m.config.use_cache for n, m in model.named_modules() if hasattr(m, "config")
+                       and hasattr(m.config, "use_cache")}
+
+    def check(self):
+        from remat.core._state import capture
+
+        model = self.model
+        assert_state_equal(self.before, capture(model))
+        assert list(model.state_dict()) == self.keys
+        assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == self.forwards
+        assert {n: m.config.use_cache for n, m in model.named_modules() if n in self.caches} == self.caches

@@ -19,6 +19,7 @@ PUBLIC = [
     "Measurement",
     "Plan",
     "Profile",
+    "RecomputeError",
     "RematError",
     "apply",
     "auto",

@@ -6,7 +6,7 @@ from remat.core._region import is_recomputing
 from remat.core.checkpoint import POLICIES, SAVE_OPS, checkpoint, is_wrapped, unwrap, wrap
 from remat.core.measure import Measurement, measure
 from remat.diagnosis.doctor import DoctorReport, Finding, doctor
-from remat.errors import RematError
+from remat.errors import RecomputeError, RematError
 from remat.planning.apply import apply, auto, remove
 from remat.planning.plan import Plan, parse_budget, plan
 from remat.profiling._types import BlockProfile, Profile
@@ -23,6 +23,7 @@ __all__ = [
     "Measurement",
     "Plan",
     "Profile",
+    "RecomputeError",
     "RematError",
     "apply",
     "auto",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["RematError"]
+from torch.utils.checkpoint import CheckpointError
+
+__all__ = ["RecomputeError", "RematError"]
 
 
 class RematError(Exception):
@@ -10,4 +12,16 @@ class RematError(Exception):
 
     Messages start with the API that was called, give the numbers involved and
     say how to fix the problem.
+    """
+
+
+class RecomputeError(RematError, CheckpointError):
+    """A checkpointed function failed when rerun in backward.
+
+    NOTE [Caught like torch's]
+    torch raises ``torch.utils.checkpoint.CheckpointError`` (a ``RuntimeError``) when
+    recomputation goes wrong, and code written for torch catches those. remat's
+    recompute failures are both a :class:`RematError` and a ``CheckpointError``, so
+    ``except RuntimeError``, ``except CheckpointError`` and ``except remat.RematError``
+    all catch them.
     """

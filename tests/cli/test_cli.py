@@ -121,6 +121,26 @@ MODELS = '''
 
     def not_a_model():
         return nn.Linear(2, 2)
+
+
+    class Broken(nn.Module):
+        """Its third block fails on every call, as a user's bug would."""
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                x = block(x)
+                if i == 2:
+                    x = x.view(5, -1)  # 4 rows: cannot be viewed as 5
+            return x
+
+
+    def broken():
+        torch.manual_seed(0)
+        return Broken(), torch.randn(4, 8)
 '''
 
 
@@ -284,7 +304,7 @@ BAD = {
     "missing-file": (["profile", "nope.py:make"], ["'nope.py' does not exist"]),
     "missing-factory": (["profile", "models.py:nope"], ["no function 'nope'", "seed000"]),
     "wrong-return": (["profile", "models.py:not_a_model"], ["returned a Linear", "(model, inputs)"]),
-    "bad-budget": (["plan", "seed-cifar", "--budget", "5lbs"], ["cannot read budget '5lbs'"]),
+    "bad-budget": (["plan", "seed-cifar", "--budget", "5lbs"], ["budget='5lbs' cannot be read"]),
 }
 
 # The same checks, in process (no interpreter start-up): input the command line validates itself.
@@ -341,3 +361,51 @@ def test_unknown_command_is_a_usage_error(capsys):
         main(["frobnicate"])
     assert exit_.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_an_error_in_the_users_model_is_one_line_naming_it(models, monkeypatch, capsys):
+    from remat.cli import main
+
+    monkeypatch.chdir(models)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for command in (["profile", "models.py:broken"], ["plan", "models.py:broken", "--budget", "0.5"]):
+        code = main([*command, *FAST])
+        line = one_error_line(subprocess.CompletedProcess(command, code, *capsys.readouterr()))
+        assert "remat.profile: the training step raised RuntimeError" in line and "during a profiled step" in line
+        assert "view size is not compatible" in line or "shape '[5, -1]' is invalid" in line
+
+
+def test_the_users_traceback_on_request(models):
+    proc = run_cli("profile", "models.py:broken", *FAST, cwd=models)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    env = {**_ENV, "REMAT_TRACEBACK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "remat.cli", "profile", "models.py:broken", *FAST], cwd=models,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 2
+    assert "x = x.view(5, -1)" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("remat: error:")
+
+
+@pytest.mark.parametrize("out, needle", [("nowhere/plan.json", "does not exist"), (".", "is a folder")])
+def test_unwritable_out_fails_before_profiling(models, monkeypatch, capsys, out, needle):
+    from remat.cli import main
+
+    monkeypatch.chdir(models)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    # the broken model would fail in profiling: the --out error comes first, so nothing ran
+    for command in (["profile", "models.py:broken"], ["plan", "models.py:broken", "--budget", "0.5"]):
+        code = main([*command, "--out", out])
+        one_error_line(subprocess.CompletedProcess(command, code, *capsys.readouterr()), f"--out {out!r}", needle)
+
+
+def test_hand_made_plan_over_the_budget_is_said(models, monkeypatch, capsys):
+    from remat.cli import main
+
+    monkeypatch.chdir(models)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code = main(["plan", "models.py:mlp", "--strategy", "all", "--budget", "0.01", *FAST, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    plan = remat.Plan.from_json(out)
+    assert plan.predicted_peak_bytes > plan.budget_bytes
+    warning = [line for line in err.splitlines() if line.startswith("remat: warning:")]
+    assert len(warning) == 1 and "over the budget" in warning[0] and str(plan.predicted_peak_bytes) in warning[0]

@@ -12,8 +12,9 @@ from conftest import SMALL
 
 
 def _plan(assignment):
+    # model="": a hand-made plan that records no model class, so apply checks only its block names.
     return remat.Plan(assignment=assignment, predicted_peak_bytes=0, predicted_overhead=0.0, baseline_peak_bytes=0,
-                      min_peak_bytes=0, budget_bytes=None, strategy="none", model="test")
+                      min_peak_bytes=0, budget_bytes=None, strategy="none", model="")
 
 
 def _nothing_wrapped(model):

@@ -537,3 +537,35 @@ def test_hugging_face_layers_are_labelled_by_the_api_that_checkpoints_them(how):
     want = "Hugging Face gradient checkpointing" if how == "hf" else "remat.wrap"
     assert {c.api for c in report.checkpoints} == {want}, [c.api for c in report.checkpoints]
     assert report.codes() == []
+
+
+def _mixtral_with_remat_plan():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                              num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+                              max_position_embeddings=16, use_cache=False)
+    model = tf.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 8))
+    inputs = {"input_ids": ids, "labels": ids}
+    remat.apply(model, remat.plan(remat.profile(model, inputs, repeat=1, warmup=0), strategy="all"))
+    return model, inputs
+
+
+def test_transformers_output_capturing_hooks_are_not_repeated_side_effects():
+    # Mixtral's router logits are recorded by transformers' hooks on each layer's gate: they
+    # run again in recomputation but record nothing there (NOTE [Hooks that record outputs
+    # only in the outer forward]); the router's auxiliary loss is part of the compared loss.
+    model, inputs = _mixtral_with_remat_plan()
+    report = remat.doctor(model, inputs, measure_cost=False)
+    assert [f.code for f in report.findings if f.severity == "error"] == []
+    assert report.checkpoints  # remat's wrapping was seen: the step was really checkpointed
+
+
+def test_a_users_recording_hook_on_the_same_model_is_still_found():
+    model, inputs = _mixtral_with_remat_plan()
+    seen = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda module, args, out: seen.append(out))
+    found = only(remat.doctor(model, inputs, measure_cost=False), "side-effects-repeated")
+    assert "model.layers.0.mlp.gate" in found.modules and "seen is list of length 2" in found.message

@@ -124,7 +124,7 @@ def _ddp(rank: int) -> dict:
 
 def _rank0_error() -> str:
     try:
-        remat.distributed.plan_on_rank0(lambda: synthetic_profile(4), budget=1)
+        remat.distributed.plan_on_rank0(lambda: synthetic_profile(4), budget="1B")
     except remat.RematError as exc:
         return str(exc)
     return "no error"

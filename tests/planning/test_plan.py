@@ -96,12 +96,29 @@ def test_two_hundred_blocks_plan():
     assert len(plan.assignment) == 200 and plan.checkpointed
 
 
-@pytest.mark.parametrize("budget", ["6GiB", "500MB", "0.5", 0.5, 1.0, 123456789, " 2 gib "])
-def test_budget_forms(budget):
-    value = remat.parse_budget(budget, baseline_bytes=10**9)
-    expected = {"6GiB": 6 * 2**30, "500MB": 5 * 10**8, "0.5": 5 * 10**8, 0.5: 5 * 10**8, 1.0: 10**9,
-                123456789: 123456789, " 2 gib ": 2 * 2**30}[budget]
-    assert value == expected
+@pytest.mark.parametrize("budget, expected", [
+    ("6GiB", 6 * 2**30), ("500MB", 5 * 10**8), ("0.5", 5 * 10**8), (0.5, 5 * 10**8), ("50%", 5 * 10**8),
+    (1.0, 10**9), (1, 10**9), ("1", 10**9), ("100%", 10**9), (123456789, 123456789), ("123456789", 123456789),
+    (6e9, 6 * 10**9), ("6e9", 6 * 10**9), (" 2 gib ", 2 * 2**30), ("1.5GiB", 3 * 2**29), ("4096B", 4096),
+])
+def test_budget_forms(budget, expected):
+    assert remat.parse_budget(budget, baseline_bytes=10**9) == expected
+
+
+@pytest.mark.parametrize("budget, why", [
+    (1.5, "ambiguous"), ("1.5", "ambiguous"), (2, "ambiguous"), ("1023", "ambiguous"), (1500.5, "ambiguous"),
+    ("101%", "above 100%"), (0, "positive"), ("-1GB", "positive"), (float("inf"), "positive"),
+    ("0.5 GiBs", "cannot be read"), ("5O%", "cannot be read"), ([0.5], "is a list"),
+])
+def test_ambiguous_budgets_are_refused_with_the_accepted_forms(budget, why):
+    with pytest.raises(remat.RematError, match=why) as info:
+        remat.parse_budget(budget, baseline_bytes=10**9)
+    assert "'50%'" in str(info.value) and "'6GiB'" in str(info.value) and repr(budget) in str(info.value)
+
+
+def test_same_number_same_budget_in_every_form():
+    for forms in ([0.25, "0.25", "25%"], [1, 1.0, "1", "1.0", "100%"], [4096, 4096.0, "4096", "4096B", "4KiB"]):
+        assert len({remat.parse_budget(f, 10**9) for f in forms}) == 1, forms
 
 
 @pytest.mark.parametrize("budget", [0, -5, 1.5, "lots", "5 parsecs", True, None, "-1GB", float("nan")])
@@ -123,7 +140,7 @@ def test_plan_json_round_trip_and_validation(profiled):
     again = remat.Plan.from_json(plan.to_json())
     assert again == plan
     with pytest.raises(remat.RematError, match="schema"):
-        remat.Plan.from_json(plan.to_json().replace('"schema": 2', '"schema": 7'))
+        remat.Plan.from_json(plan.to_json().replace('"schema": 3', '"schema": 7'))
     with pytest.raises(remat.RematError, match="not JSON"):
         remat.Plan.from_json("{")
     with pytest.raises(remat.RematError, match="unknown policies"):

@@ -116,8 +116,9 @@ def test_profile_restores_model_state_when_it_raises():
     remat.wrap(model.blocks[1], policy="selective")  # the user's own wrapping must survive too
     x = torch.randn(3, 4)
     before = capture(model)
-    with pytest.raises(ValueError, match="boom"):
+    with pytest.raises(remat.RematError, match=r"raised ValueError in Fails.forward \(outside every block\) during a profiled step: boom") as info:
         remat.profile(model, x, repeat=1, warmup=0)
+    assert isinstance(info.value.__cause__, ValueError)
     assert_state_equal(before, capture(model))
     assert remat.is_wrapped(model.blocks[0]) is None and remat.is_wrapped(model.blocks[1]) == "selective"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from rich.text import Text
 
 import remat
 from remat.cli._model import Loaded, check_device, load_model, model_options
-from remat.cli._ui import Ui
+from remat.cli._ui import Ui, warning_line
 from remat.errors import RematError
 from remat.profiling._format import human_bytes
 
@@ -139,7 +140,23 @@ def _profile_table(data: dict[str, Any]) -> Table:
     return table
 
 
+def check_writable(path: str | None, flag: str = "--out") -> None:
+    """A RematError now, before minutes of profiling, when ``path`` cannot be written."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise RematError(f"remat: {flag} {path!r} is a folder; give a file name such as {str(target / 'plan.json')!r}.")
+    if not folder.is_dir():
+        raise RematError(f"remat: {flag} {path!r}: the folder {str(folder)!r} does not exist; create it or write "
+                         "somewhere else.")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise RematError(f"remat: {flag} {path!r} cannot be written (permission denied); write somewhere else.")
+
+
 def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
+    check_writable(args.out)
     loaded = load(args, ui)
     prof = run_profile(args, ui, loaded)
     data = profile_data(args, prof, loaded)
@@ -194,9 +211,17 @@ def _plan_table(plan: Any, prof: Any) -> Table:
 
 def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
     _check_plan_args(args)
+    check_writable(args.out)
     loaded = load(args, ui)
     prof = run_profile(args, ui, loaded)
     chosen = remat.plan(prof, args.budget, strategy=args.strategy)
+    if chosen.budget_bytes is not None and chosen.predicted_peak_bytes > chosen.budget_bytes:
+        warning_line(
+            f"the {chosen.strategy} plan's predicted peak {human_bytes(chosen.predicted_peak_bytes)} "
+            f"({chosen.predicted_peak_bytes} bytes) is over the budget {human_bytes(chosen.budget_bytes)} "
+            f"({chosen.budget_bytes} bytes): a hand-made strategy ignores the budget. --strategy optimal fits it "
+            f"when it can (lowest peak any plan reaches: {human_bytes(chosen.min_peak_bytes)})."
+        )
     if args.out:
         Path(args.out).write_text(chosen.to_json())
     if ui.json:

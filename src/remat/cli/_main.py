@@ -8,13 +8,16 @@ Exit status: 0 on success; 1 when ``remat doctor`` finds an error (a finding of
 severity "error": training differs from the model without checkpointing; warnings
 alone exit 0) or ``remat demo`` sees remat train differently; 2 on bad usage or
 bad input (unknown model, missing file or factory, bad or infeasible budget, any
-``remat.RematError``), with one line on stderr and no traceback (``-vv`` adds it).
+``remat.RematError``; an exception raised by the user's model while remat runs it is one,
+naming the step and the block), with one line on stderr and no traceback (``-vv`` or the
+environment variable ``REMAT_TRACEBACK=1`` adds it, with the model's own traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import traceback
@@ -190,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.command(args, ui)
     except RematError as exc:
-        if args.verbose > 1:
+        if args.verbose > 1 or os.environ.get("REMAT_TRACEBACK"):
             traceback.print_exc()
         error_line(str(exc))
         return 2

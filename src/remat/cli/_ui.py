@@ -70,3 +70,9 @@ def error_line(message: str) -> None:
     """One plain line on stderr: no rich wrapping, so scripts can grep it whole."""
     text = " ".join(message.split()).removeprefix("remat: ")
     sys.stderr.write(f"remat: error: {text}\n")
+
+
+def warning_line(message: str) -> None:
+    """One plain warning line on stderr (stdout stays the result's, JSON included)."""
+    text = " ".join(message.split())
+    sys.stderr.write(f"remat: warning: {text}\n")

@@ -3,7 +3,8 @@
 transformers models append to a KV cache in every forward when
 ``config.use_cache`` is on, also in training. Recomputation would append twice
 (and selective recomputation fails on the extra slice), so remat turns the cache
-off while it checkpoints, as transformers' own gradient checkpointing does.
+off on every config of the model while it checkpoints, as transformers' own
+gradient checkpointing does, and turns it back on when the checkpointing is removed.
 """
 
 from __future__ import annotations
@@ -20,18 +21,43 @@ log = logging.getLogger("remat")
 _SAVED = "_remat_saved_use_cache"
 
 
+def _configs(model: nn.Module) -> list[object]:
+    """Every distinct config of ``model``: each submodule's ``config`` and the configs nested in them.
+
+    NOTE [Every config, not only the top one]
+    An encoder-decoder such as T5 gives its decoder stack a config of its own
+    (``copy.deepcopy(config)``), and composite models keep ``text_config`` /
+    ``decoder`` configs inside theirs. A stack reads its own ``use_cache`` when the
+    caller passes none, so turning off only the top-level flag leaves the decoder
+    appending to its cache in recomputation.
+    """
+    found: dict[int, object] = {}
+    pending = [getattr(m, "config", None) for m in model.modules()]
+    while pending:
+        config = pending.pop()
+        if config is None or id(config) in found or not hasattr(config, "use_cache"):
+            continue
+        found[id(config)] = config
+        pending.extend(v for v in vars(config).values() if hasattr(v, "use_cache") and hasattr(v, "to_dict"))
+    return list(found.values())
+
+
 def disable_cache(model: nn.Module) -> None:
-    """Turn ``config.use_cache`` off until :func:`restore_cache` (idempotent)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) and _SAVED not in model.__dict__:
-        log.info("remat: setting %s.config.use_cache = False while checkpointing", type(model).__name__)
-        model.__dict__[_SAVED] = True
-        config.use_cache = False
+    """Turn ``use_cache`` off on every config of ``model`` until :func:`restore_cache` (idempotent)."""
+    if _SAVED in model.__dict__:
+        return
+    on = [c for c in _configs(model) if getattr(c, "use_cache", False)]
+    if on:
+        log.info("remat: setting use_cache = False on %d config(s) of %s while checkpointing", len(on),
+                 type(model).__name__)
+        model.__dict__[_SAVED] = on
+        for config in on:
+            config.use_cache = False
 
 
 def restore_cache(model: nn.Module) -> None:
-    if model.__dict__.pop(_SAVED, False):
-        model.config.use_cache = True
+    for config in model.__dict__.pop(_SAVED, ()):
+        config.use_cache = True
 
 
 @contextlib.contextmanager

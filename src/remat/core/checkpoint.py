@@ -35,7 +35,8 @@ from torch.utils.checkpoint import (
 
 from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.core._rng import ReplayContext, RngLedger
-from remat.errors import RematError
+from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
+from remat.errors import RecomputeError, RematError
 
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
@@ -94,10 +95,10 @@ def _policy_function(policy: Any) -> Callable[..., Any] | None:
     )
 
 
-def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool) -> tuple[Any, Any]:
+def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_mutation: bool) -> tuple[Any, Any]:
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
     ledger = RngLedger(policy_fn)
-    forward, recompute = create_selective_checkpoint_contexts(ledger.decide)
+    forward, recompute = create_selective_checkpoint_contexts(ledger.decide, allow_cache_entry_mutation=allow_mutation)
     return forward, Stacked(recompute, ReplayContext(ledger)) if replay_rng else recompute
 
 
@@ -148,17 +149,21 @@ def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | Non
 _uncompiled: Callable[..., Any] | None = None
 
 
-def _run_uncompiled(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
+def _run_uncompiled(
+    fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict, options: CallOptions = DEFAULT
+) -> Any:
     global _uncompiled
     if _uncompiled is None:
         # Looked up at each call, not bound now: the doctor replaces _run_checkpointed while it runs.
         _uncompiled = torch.compiler.disable(
-            lambda *a: _run_checkpointed(*a), reason="remat.checkpoint runs eagerly under torch.compile"
+            lambda *a, **o: _run_checkpointed(*a, **o), reason="remat.checkpoint runs eagerly under torch.compile"
         )
-    return _uncompiled(fn, policy, preserve_rng_state, args, kwargs)
+    return _uncompiled(fn, policy, preserve_rng_state, args, kwargs, options=options)
 
 
-def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict) -> Any:
+def _run_checkpointed(
+    fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict, options: CallOptions = DEFAULT
+) -> Any:
     learned, remember = _learned_memo(fn)
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
     region = Region(args, kwargs, learned, owner if isinstance(owner, nn.Module) else None)
@@ -169,7 +174,9 @@ def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args:
         if policy_fn is None:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
         else:
-            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state)
+            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options.allow_cache_entry_mutation)
+        if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
+            fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
     def run(_holder: Region, *_markers: torch.Tensor) -> Any:
@@ -182,21 +189,24 @@ def _run_checkpointed(fn: Callable, policy: Any, preserve_rng_state: bool, args:
         except (_StopRecomputation, RematError):
             raise  # torch's early stop, or our own message
         except Exception as exc:
-            raise RematError(
+            raise RecomputeError(
                 f"remat.checkpoint: {getattr(fn, '__qualname__', type(fn).__name__)} failed when rerun in backward "
                 f"({type(exc).__name__}: {exc}). The function must compute the same thing again: a forward side "
-                "effect (a Hugging Face KV cache: set model.config.use_cache=False; a counter or cache of your "
-                "own: guard it with `if not remat.is_recomputing()`) or data-dependent control flow changed it."
+                "effect (a Hugging Face KV cache: pass use_cache=False, or set it to False on every config of the "
+                "model, e.g. model.config and model.decoder.config; remat.apply does that; a counter or cache of "
+                "your own: guard it with `if not remat.is_recomputing()`) or data-dependent control flow changed it."
             ) from exc
 
-    return _torch_checkpoint(
-        run,
-        region,
-        *_device_markers(args, kwargs),
-        use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-    )
+    with no_torch_debug():
+        return _torch_checkpoint(
+            run,
+            region,
+            *_device_markers(args, kwargs),
+            use_reentrant=False,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+            **options.torch_kwargs(),
+        )
 
 
 def checkpoint(
@@ -204,6 +214,11 @@ def checkpoint(
     *args: Any,
     policy: Any = "full",
     preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], Any] | None = None,
+    determinism_check: str = "default",
+    debug: bool | None = None,
+    early_stop: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
@@ -225,8 +240,13 @@ def checkpoint(
             advances the generator in recompute (NOTE in ``remat.core._rng``).
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
+        use_reentrant, context_fn, determinism_check, debug, early_stop: torch's
+            options, read as torch reads them; ``use_reentrant=True`` is refused
+            (NOTE in ``remat.core._torch_options``).
 
-    ``policy`` and ``preserve_rng_state`` are remat's; every other keyword goes to ``fn``.
+    Like torch, every other keyword goes to ``fn``. A failure while recomputing raises
+    :class:`remat.errors.RecomputeError`, which is also torch's ``CheckpointError``
+    (a ``RuntimeError``).
     """
     if fn is None:
         if args or kwargs:
@@ -234,19 +254,25 @@ def checkpoint(
                 "remat.checkpoint: arguments were given but no function; call "
                 "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
             )
-        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state)
+        torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn,
+                         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop}
+        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options)
     if not callable(fn):
         raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
+    policy, options = read_torch_options(
+        policy, use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
+        debug=debug, early_stop=early_stop,
+    )
     _policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs)
+    return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs, options)
 
 
-def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool) -> F:
+def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool, **torch_options: Any) -> F:
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(fn, *args, policy=policy, preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpoint(fn, *args, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options, **kwargs)
 
     return checkpointed  # type: ignore[return-value]
 

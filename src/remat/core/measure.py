@@ -28,6 +28,7 @@ from torch import nn
 
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
+from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
 from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat.errors import RematError
 
@@ -139,25 +140,28 @@ def measure(
         warmup: untimed steps first (lazy initialisation, allocator warm-up).
         repeat: timed steps; the reported time is their median.
     """
+    require_module(model, "remat.measure")
+    check_devices(model, inputs, "remat.measure")
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     device = device_of(model, inputs)
     state = capture(model)
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
     try:
-        times = []
-        for i in range(warmup + repeat):
-            model.zero_grad(set_to_none=True)
-            _sync(device)
-            start = time.perf_counter()
-            training_step(model, inputs, loss_fn, optimizer)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        peak, resting, loss = measure_peak(model, inputs, loss_fn, optimizer)
-        params = trainable_parameters(model)
-        missing = tuple(n for n, p in params.items() if p.grad is None)
-        zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
+        with model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)):
+            times = []
+            for i in range(warmup + repeat):
+                model.zero_grad(set_to_none=True)
+                _sync(device)
+                start = time.perf_counter()
+                training_step(model, inputs, loss_fn, optimizer)
+                _sync(device)
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+            peak, resting, loss = measure_peak(model, inputs, loss_fn, optimizer)
+            params = trainable_parameters(model)
+            missing = tuple(n for n, p in params.items() if p.grad is None)
+            zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
     finally:
         state.restore()
         if optimizer is not None:

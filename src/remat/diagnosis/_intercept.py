@@ -279,10 +279,12 @@ class Interceptor:
         finally:
             self.end(call)
 
-    def remat_run(self, real: Callable, fn: Callable, policy: Any, preserve: bool, args: tuple, kwargs: dict) -> Any:
+    def remat_run(
+        self, real: Callable, fn: Callable, policy: Any, preserve: bool, args: tuple, kwargs: dict, **options: Any
+    ) -> Any:
         self._remat = (fn, args, kwargs)
         try:
-            return real(fn, policy, preserve, args, kwargs)
+            return real(fn, policy, preserve, args, kwargs, **options)
         finally:
             self._remat = None
 

@@ -27,6 +27,15 @@ _CONTAINERS = (list, dict, set, collections.deque)
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _FOREIGN = ("torch.", "remat.")
 
+# NOTE [Hooks that record outputs only in the outer forward]
+# transformers (5.x) collects router logits, attentions and hidden states with a forward
+# hook on each layer (``utils.output_capturing``) that appends to a collector held in a
+# context variable. The collector is set only while the model's own forward runs and is
+# None in backward, so the hook returns at once in recomputation: it runs again, but
+# records nothing, and the outputs the model returns are those of the forward. Such hooks
+# are not side effects that repeat; any other hook still counts.
+_RECORDING_HOOKS = ("transformers.utils.output_capturing",)
+
 
 def _watchable(value: Any) -> bool:
     return isinstance(value, _SCALARS + _CONTAINERS)
@@ -111,7 +120,8 @@ def _functions(module: nn.Module) -> Iterator[Any]:
 
 def _user_hooks(hooks: dict) -> list[str]:
     return [getattr(h, "__qualname__", repr(h)) for h in hooks.values()
-            if not (getattr(h, "__module__", None) or "").startswith(_FOREIGN)]
+            if not (getattr(h, "__module__", None) or "").startswith(_FOREIGN)
+            and getattr(h, "__module__", None) not in _RECORDING_HOOKS]
 
 
 def _spaces_of(fn: Any, owner: str) -> Iterator[_Space]:

@@ -17,9 +17,11 @@ from torch import nn
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._state import capture
+from remat.core._user_errors import model_errors, require_module
 from remat.core.checkpoint import is_wrapped, unwrap, wrap
 from remat.core.measure import measure_peak
 from remat.errors import RematError
+from remat.planning._plan_checks import check_plan_fits
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._format import human_bytes
 from remat.profiling._blocks import find_blocks
@@ -55,6 +57,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     Warns when the plan was made in training mode and the model is in eval mode now, or
     the other way round: the plan's predicted peak holds in the mode it was made in.
     """
+    require_module(model, "remat.apply")
     if not isinstance(plan, Plan):
         raise RematError(f"remat.apply: expected a remat.Plan, got {type(plan).__name__}; make one with remat.plan(...).")
     _put(model, plan)
@@ -63,13 +66,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
 
 def _put(model: nn.Module, plan: Plan) -> None:
+    check_plan_fits(model, plan)
     modules = dict(model.named_modules())
-    missing = sorted(n for n in plan.assignment if n not in modules)
-    if missing:
-        raise RematError(
-            f"remat.apply: the plan names modules this {type(model).__name__} does not have: {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}; was the plan made for another model?"
-        )
     check_no_double_checkpointing(model, plan.checkpointed, api="remat.apply")
     done: list[nn.Module] = []
     try:
@@ -117,6 +115,8 @@ def auto(
 
     Nothing is applied when profiling, planning or verification fails.
     """
+    require_module(model, "remat.auto")
+    parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)
@@ -142,7 +142,8 @@ def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan) -> int:
     try:
         if plan.training is not None:
             model.train(plan.training)
-        peak, _, _ = measure_peak(model, inputs, loss_fn)
+        with model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
+            peak, _, _ = measure_peak(model, inputs, loss_fn)
     finally:
         state.restore()
     return peak

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from remat.errors import RematError
+from remat.planning._plan_checks import check_plan_fields
 from remat.planning._solve import cast_credits, chain_of, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
 __all__ = ["Plan", "parse_budget", "plan"]
 
-PLAN_SCHEMA = 2
-_PLAN_SCHEMAS_READ = (1, 2)  # 1: before training, measured_peak_bytes and notes
+PLAN_SCHEMA = 3
+_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_ACCEPTED = "bytes (int), a string with units ('6GiB', '500MB'), or a fraction 0 < f <= 1 of the baseline peak"
+_ACCEPTED = ("a fraction 0 < f <= 1 of the peak without checkpointing (0.5, '0.5', '50%'), bytes with a unit "
+             "('6GiB', '500MB', '4096B'), or whole bytes of at least 1024 without one (6000000000)")
+_BUDGET_TEXT = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*(%|[a-zA-Z]*)\s*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Plan:
     """Peak of one real step with the plan applied, measured by ``remat.auto`` (None: not measured)."""
     notes: tuple[str, ...] = ()
     """What ``remat.auto`` did to make the plan fit (re-plans with a margin), in order."""
+    parameters: int | None = None
+    """Parameter elements of the profiled model; ``remat.apply`` refuses a model with another count
+    (None: not recorded, in plans saved before remat recorded it)."""
 
     @property
     def verified(self) -> bool:
@@ -75,6 +82,9 @@ class Plan:
         if self.measured_peak_bytes is not None:
             verdict = "within the budget" if self.verified else "OVER the budget"
             text += f" Measured peak of one real step: {human_bytes(self.measured_peak_bytes)} ({verdict})."
+        elif self.budget_bytes is not None and self.predicted_peak_bytes > self.budget_bytes:
+            text += (f" Predicted OVER the budget by {human_bytes(self.predicted_peak_bytes - self.budget_bytes)}: "
+                     f"the {self.strategy} strategy does not look at the budget; the optimal one fits it.")
         text += "".join(f" {note}" for note in self.notes)
         if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
             text += (" No plan lowers this model's peak by more than 1%: the peak is set where "
@@ -92,30 +102,72 @@ class Plan:
         fields = set(cls.__dataclass_fields__)
         required = {n for n, f in cls.__dataclass_fields__.items() if f.default is MISSING}
         if not required <= set(data) <= fields:
-            raise RematError(f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}.")
-        bad = {b: p for b, p in data["assignment"].items() if p not in ("keep", "selective", "full")}
-        if bad:
-            raise RematError(f"remat.Plan.from_json: unknown policies {bad}; use keep, selective or full.")
+            raise RematError(
+                f"remat.Plan.from_json: expected fields {sorted(fields)}, got {sorted(data)}: missing "
+                f"{sorted(required - set(data))}, unknown {sorted(set(data) - fields)}."
+            )
+        check_plan_fields(data)
         return cls(**{**data, "notes": tuple(data.get("notes", ()))})
 
 
-def parse_budget(budget: Any, baseline_bytes: int) -> int:
-    """Bytes for ``budget``: int bytes, ``"6GiB"``-style strings, or a fraction of ``baseline_bytes``."""
-    if isinstance(budget, bool) or budget is None:
-        raise RematError(f"remat.plan: budget={budget!r} is not a budget; give {_ACCEPTED}.")
+#: Unitless numbers from here up are bytes; below, only fractions 0 < f <= 1 are read (NOTE [One budget rule]).
+_MIN_UNITLESS_BYTES = 1024
+
+
+def _budget_error(budget: Any, why: str) -> RematError:
+    return RematError(f"remat.plan: budget={budget!r} {why}; give {_ACCEPTED}.")
+
+
+def _split_budget(budget: Any) -> tuple[float, str]:
+    """(number, unit) of ``budget``: unit is ``""`` for a bare number, ``"%"`` or a byte unit."""
     if isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise RematError(f"remat.plan: cannot read budget {budget!r}; give {_ACCEPTED}.")
+        match = _BUDGET_TEXT.fullmatch(budget)
+        if not match or match.group(2).lower() not in {*_UNITS, "%"}:
+            raise _budget_error(budget, "cannot be read")
         number, unit = float(match.group(1)), match.group(2).lower()
-        if unit == "" and number <= 1:
-            return parse_budget(number, baseline_bytes)
-        return int(number * _UNITS[unit])
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return int(budget * baseline_bytes)
-    if isinstance(budget, int) and budget > 0:
-        return budget
-    raise RematError(f"remat.plan: budget={budget!r} is out of range; give {_ACCEPTED}.")
+        return number, unit
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise _budget_error(budget, f"is a {type(budget).__name__}, not a budget")
+    return float(budget), ""
+
+
+def parse_budget(budget: Any, baseline_bytes: int) -> int:
+    """Bytes for ``budget``, by one rule whatever its form (NOTE [One budget rule]).
+
+    NOTE [One budget rule]
+    The same number means the same in every form: ``0.5``, ``"0.5"`` and ``"50%"`` are
+    half of ``baseline_bytes``; ``1``, ``1.0``, ``"1"`` and ``"100%"`` are all of it.
+
+    * a number without a unit (int, float or string): a fraction ``0 < f <= 1`` of the
+      baseline peak, or bytes when it is a whole number of at least 1024
+      (``6_000_000_000``, ``"6e9"``);
+    * a percentage ``"80%"``: ``0 < p <= 100`` of the baseline peak;
+    * a number with a byte unit (``"20GiB"``, ``"1.5GB"``, ``"500MB"``, ``"4096B"``): bytes.
+
+    Anything else is refused with the accepted forms: a unitless number between 1
+    and 1024 or with a fraction part above 1 (``1.5``: 150% or 1 byte?), zero,
+    negatives, NaN, infinities, typos.
+    """
+    number, unit = _split_budget(budget)
+    if not math.isfinite(number) or number <= 0:
+        raise _budget_error(budget, "must be a positive finite number")
+    if unit == "%":
+        if number > 100:
+            raise _budget_error(budget, "is above 100% of the peak without checkpointing, which needs no plan")
+        return int(number / 100 * baseline_bytes)
+    if unit:
+        value = int(number * _UNITS[unit])
+        if value < 1:
+            raise _budget_error(budget, "is less than one byte")
+        return value
+    if number <= 1:
+        return int(number * baseline_bytes)
+    if number >= _MIN_UNITLESS_BYTES and number == int(number):
+        return int(number)
+    raise _budget_error(
+        budget, f"is ambiguous: a unitless number above 1 is bytes only when whole and at least "
+        f"{_MIN_UNITLESS_BYTES} (is {number:g} a fraction or bytes?); say which with a unit, e.g. '{number:g}GiB'"
+    )
 
 
 def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None) -> dict[str, str] | None:
@@ -170,6 +222,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
         strategy=strategy,
         model=profile.model,
         training=profile.training,
+        parameters=profile.parameters,
     )
 
 
@@ -245,8 +298,9 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
 
     Args:
         profile: from :func:`remat.profile`.
-        budget: bytes (int), a string with units (``"6GiB"``, ``"500MB"``), or a
-            fraction ``0 < f <= 1`` of the peak without checkpointing.
+        budget: a fraction ``0 < f <= 1`` of the peak without checkpointing
+            (``0.5``, ``"0.5"``, ``"50%"``), bytes with a unit (``"6GiB"``, ``"500MB"``),
+            or whole bytes of at least 1024 (:func:`parse_budget` has the one rule).
         strategy: ``"optimal"`` (needs a budget), or a hand-made choice to compare
             on the same footing: ``"none"``, ``"all"`` (full recompute everywhere),
             ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.

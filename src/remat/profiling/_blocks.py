@@ -9,7 +9,7 @@ lone Linear, a ReLU) are never blocks: checkpointing one rarely pays.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -67,7 +67,8 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> 
                 f"remat.profile: blocks {unknown} are not modules of {type(model).__name__}; "
                 f"pass names from model.named_modules(), e.g. {list(modules)[1:4]}."
             )
-        _check_disjoint(names)
+        check_disjoint(names, api="remat.profile:")
+        check_block_modules(model, names, api="remat.profile")
         return names
     mode = blocks or "auto"
     if mode not in ("auto", "coarse", "fine"):
@@ -86,11 +87,55 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> 
             return names
 
 
-def _check_disjoint(names: list[str]) -> None:
+def check_disjoint(names: list[str], *, api: str) -> None:
+    """A RematError when one block is inside another (``api`` starts the message)."""
     for a in names:
         for b in names:
             if a != b and b.startswith(a + "."):
                 raise RematError(
-                    f"remat.profile: block {b!r} is inside block {a!r}; blocks must not nest. "
+                    f"{api} block {b!r} is inside block {a!r}; blocks must not nest. "
                     "Name either the outer module or the inner ones."
                 )
+
+
+#: torch layers that run one op: their own backward keeps what checkpointing them would keep.
+_SINGLE_OP_LAYERS = tuple(f"torch.nn.modules.{m}" for m in (
+    "linear", "conv", "activation", "dropout", "normalization", "batchnorm", "sparse", "flatten", "pooling"))
+
+
+def check_block_modules(model: nn.Module, names: Iterable[str], *, api: str) -> None:
+    """A RematError when a block is a lone single-op torch layer (a Linear, a ReLU): checkpointing it saves nothing."""
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules.get(name)
+        if module is not None and _is_leaf(module) and type(module).__module__ in _SINGLE_OP_LAYERS:
+            parent = name.rpartition(".")[0]
+            raise RematError(
+                f"{api}: block {name!r} is a lone {type(module).__name__}, a single-op torch layer: its own backward "
+                "keeps what checkpointing it would keep, so it saves nothing. Name the module that contains it"
+                f"{f' ({parent!r})' if parent else ''} or a group of layers instead."
+            )
+
+
+def _lone_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Non-leaf modules alone in a ModuleList / Sequential: how a model that shares one layer
+    across depth (ALBERT) holds it; its forward calls that layer once per depth."""
+    found = []
+    for name, module in model.named_modules():
+        children = list(module.named_children())
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) == 1 and not _is_leaf(children[0][1]):
+            if not any(name.startswith(f"{outer}.") for outer, _ in found):
+                found.append((f"{name}.{children[0][0]}" if name else children[0][0], children[0][1]))
+    return found
+
+
+def suggest_blocks(model: nn.Module) -> str:
+    """A hint for a model with no repeated children: its shared layer, else its largest submodules."""
+    lone = _lone_layers(model)
+    if lone:
+        name, layer = lone[0]
+        return (f"; {name!r} ({type(layer).__name__}) is the only layer in its list, the shape of a layer "
+                f"shared across depth (ALBERT): blocks=[{name!r}] checkpoints it, each call recomputed in backward")
+    sizes = sorted(((sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules()
+                    if n and not _is_leaf(m)), reverse=True)
+    return f", e.g. {[n for _, n in sizes[:3]]}" if sizes else ""

@@ -34,6 +34,9 @@ def load_versioned(text: str, *, what: str, schema: int | tuple[int, ...]) -> di
     ``schema``: the version this remat writes, or every version it reads (the newest last).
     """
     readable = schema if isinstance(schema, tuple) else (schema,)
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise RematError(f"{what}: expects the JSON text (a str, e.g. Path(file).read_text()), got "
+                         f"{type(text).__name__}.")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

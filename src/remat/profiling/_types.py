@@ -120,6 +120,8 @@ class Profile:
     (NOTE [Storages across blocks] in ``remat.profiling._crossing``)."""
     recomputes: list[Recompute] = field(default_factory=list)
     """Where each block's recomputation ran in each policy's run, and what it added to live bytes."""
+    parameters: int | None = None
+    """Parameter elements of the profiled model: the plan's fingerprint of it (None in older profiles)."""
 
     # -- the peak model --------------------------------------------------------
     def _check(self, assignment: Mapping[str, str] | Any | None) -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import RematError
 from remat.profiling._types import Profile
 
@@ -49,16 +50,19 @@ def profile(
             profiles eval mode; ``None`` the model's modes as they are. The
             model's modes are restored afterwards.
     """
-    from remat.profiling._blocks import find_blocks
+    from remat.profiling._blocks import find_blocks, suggest_blocks
     from remat.profiling._profile_run import validate_policies
 
+    require_module(model, "remat.profile")
+    if not fake:  # a fake profile takes a meta model with CPU inputs
+        check_devices(model, inputs, "remat.profile")
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     names = find_blocks(model, blocks)
     if not names:
         raise RematError(
             f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated "
-            "children); pass blocks=[...] with the module names to consider."
+            f"children); pass blocks=[...] with the module names to consider{suggest_blocks(model)}."
         )
     policies = validate_policies(policies)
     if training is not None and not isinstance(training, bool):
@@ -71,11 +75,13 @@ def profile(
     try:
         if training is not None:
             model.train(training)
-        prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target)
+        with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
+            prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target)
     finally:
         for m, mode in modes.items():
             m.training = mode
     prof.training = model.training if training is None else training
+    prof.parameters = sum(p.numel() for p in model.parameters())
     return prof
 
 
