@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.core._compiled import run_compiled
 from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.core._rng import ReplayContext, RngLedger
 from remat.errors import RematError
@@ -137,14 +138,13 @@ def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | Non
     return (table or {}).get(key[1]), remember
 
 
-# NOTE [Under torch.compile]
-# dynamo cannot trace the region (a dispatch mode, saved-tensor hooks, a holder
-# object) through torch's checkpoint, and fails with an internal error. Disabled
-# for dynamo, a checkpointed call is a graph break: it runs eagerly with every
-# guarantee above, and the code around it is still compiled. The disabled
-# wrapper is made on first use, because ``torch.compiler.disable`` imports
-# dynamo (a second at import time); torch's own checkpoint imports it on its
-# first call anyway.
+# NOTE [Eager calls under torch.compile]
+# While dynamo traces, a call goes to torch's checkpoint operator instead
+# (NOTE [Under torch.compile] in remat.core._compiled). A call dynamo cannot trace
+# runs this eager primitive, disabled for dynamo, so that dynamo never looks inside
+# the region. The disabled wrapper is made on first use, because
+# ``torch.compiler.disable`` imports dynamo (a second at import time); torch's own
+# checkpoint imports it on its first call anyway.
 _uncompiled: Callable[..., Any] | None = None
 
 
@@ -240,6 +240,9 @@ def checkpoint(
     _policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs)
+        return run_compiled(fn, _policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._state import capture
@@ -54,10 +55,12 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
     Warns when the plan was made in training mode and the model is in eval mode now, or
     the other way round: the plan's predicted peak holds in the mode it was made in.
+    ``model`` may be ``torch.compile(model)``: the plan goes on the module it wraps, and the
+    next compiled call recompiles with it.
     """
     if not isinstance(plan, Plan):
         raise RematError(f"remat.apply: expected a remat.Plan, got {type(plan).__name__}; make one with remat.plan(...).")
-    _put(model, plan)
+    _put(eager_module(model), plan)
     _warn_mode(model, plan)
     return model
 
@@ -89,7 +92,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
-    for module in model.modules():
+    for module in eager_module(model).modules():
         unwrap(module)
     restore_cache(model)
     return model
@@ -115,8 +118,11 @@ def auto(
     the measured numbers. ``plan.measured_peak_bytes`` holds the figure; fake-tensor
     plans are not measured (``plan.verified`` is False).
 
-    Nothing is applied when profiling, planning or verification fails.
+    Nothing is applied when profiling, planning or verification fails. A ``torch.compile``'d
+    model is profiled and verified eagerly (the module it wraps, which gets the plan); its
+    next compiled call recompiles with the plan (NOTE [Under torch.compile]).
     """
+    model = eager_module(model)
     check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)
