@@ -5,6 +5,7 @@ generation: seconds) except where the default inductor backend is the point.
 """
 
 import collections
+import logging
 import warnings
 
 import pytest
@@ -254,6 +255,44 @@ def test_inductor_gradients_equal_compiled_reference_with_dropout():
         outs.append(out.detach())
     assert torch.equal(*outs)
     assert_grads_equal(ref, model)
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.relu_()  # on the block's input
+        y = self.a(x)
+        y.mul_(2)
+        return self.b(y).sin()  # sin keeps its input, not its output: the next block may write it
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_in_place_ops_inside_compiled_blocks(policy):
+    ref = nn.Sequential(nn.Linear(8, 8), InPlace(), InPlace())
+    model = twin(ref)
+    remat.wrap(model[1], policy=policy)
+    remat.wrap(model[2], policy=policy)
+    x = torch.randn(4, 8)
+    outs = []
+    for net in (model, ref):
+        out = torch.compile(net, backend="aot_eager", fullgraph=True)(x)
+        out.sum().backward()
+        outs.append(out.detach())
+    assert torch.equal(*outs)
+    assert_grads_equal(ref, model)
+
+
+def test_torch_notice_about_context_fn_does_not_reach_the_user():
+    remat.wrap(Mlp())
+    notice = logging.LogRecord("torch._higher_order_ops.wrap", logging.WARNING, __file__, 1,
+                               "\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\n",
+                               None, None)
+    other = logging.LogRecord("torch._higher_order_ops.wrap", logging.WARNING, __file__, 1, "anything else", None, None)
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    assert not logger.filter(notice) and logger.filter(other)
 
 
 # --- what does not trace, compiled models given to remat --------------------------------------

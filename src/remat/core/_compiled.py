@@ -37,6 +37,7 @@ kept, and remat warns once per block with dynamo's reason.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-__all__ = ["run_compiled", "eager_module"]
+__all__ = ["run_compiled", "eager_module", "quiet_torch_notice"]
 
 
 class _NotTraced(Exception):
@@ -102,6 +103,23 @@ def _warn_not_traced(fn: Callable) -> None:
         "(graph breaks). Remove the graph break inside the block to compile it whole.",
         stacklevel=4,
     )
+
+
+def _not_context_fn_notice(record: logging.LogRecord) -> bool:
+    return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in str(record.msg)
+
+
+def quiet_torch_notice() -> None:
+    """Drop torch's one-time log line about ``context_fn`` under compile (in-place ops in the region).
+
+    remat passes a ``context_fn`` for every block; in-place ops inside a compiled block
+    are functionalized and tested (tests/core/test_compiled.py), so the line only
+    worries the user. Called from eager code (wrap, an eager checkpoint): a filter added
+    while dynamo traces would be a graph break.
+    """
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if _not_context_fn_notice not in logger.filters:
+        logger.addFilter(_not_context_fn_notice)
 
 
 def run_compiled(

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.core._compiled import run_compiled
+from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.core._rng import ReplayContext, RngLedger
 from remat.errors import RematError
@@ -243,6 +243,7 @@ def checkpoint(
     if torch.compiler.is_compiling():
         eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs)
         return run_compiled(fn, _policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
+    quiet_torch_notice()
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs)
 
 
@@ -281,6 +282,7 @@ def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = 
     if policy not in POLICIES:
         raise RematError(f"remat.wrap: policy must be one of {POLICIES}, got {policy!r}.")
     unwrap(module)
+    quiet_torch_notice()
     if policy != "keep":
         previous = module.__dict__.get("forward")
         module.forward = _CheckpointedForward(module, policy, preserve_rng_state, previous)
