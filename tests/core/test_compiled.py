@@ -341,7 +341,7 @@ def test_plan_applied_to_a_compiled_model_recompiles_with_it():
     _hf_step(compiled, built.inputs)
     assert backend.bw[aten.native_layer_norm.default] == 0
     remat.apply(compiled, _all_full(built))
-    assert all(remat.core.checkpoint.is_wrapped(built.model.get_submodule(n)) == "full" for n in built.blocks)
+    assert all(remat.is_wrapped(built.model.get_submodule(n)) == "full" for n in built.blocks)
     built.model.zero_grad()
     loss = _hf_step(compiled, built.inputs)
     assert backend.bw[aten.native_layer_norm.default] == 2 * len(built.blocks)  # recomputed in backward
@@ -349,7 +349,7 @@ def test_plan_applied_to_a_compiled_model_recompiles_with_it():
     assert torch.equal(loss, ref_loss)
     assert_grads_equal(ref, built.model)
     remat.remove(compiled)
-    assert not any(remat.core.checkpoint.is_wrapped(m) for m in built.model.modules())
+    assert not any(remat.is_wrapped(m) for m in built.model.modules())
 
 
 def test_doctor_diagnoses_a_compiled_model_eagerly():
@@ -359,3 +359,23 @@ def test_doctor_diagnoses_a_compiled_model_eagerly():
     report = remat.doctor(compiled, built.inputs, measure_cost=False)
     assert report.ok, [f.message for f in report.findings]
     assert len(report.checkpoints) >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: graph-safe RNG and fused SDPA dropout")
+def test_cuda_gpt2_full_blocks_equal_compiled_reference_with_eager_random():
+    # Issue 17 measured 0.002-0.003 on an H100 (full GPT-2 blocks vs compiled without
+    # checkpointing). With inductor drawing dropout from torch's generators like the
+    # recomputed ops do, a remaining gap would be an inconsistent backward, not another draw.
+    torch.use_deterministic_algorithms(False)  # SDPA backward on CUDA has no deterministic kernel
+    built = zoo.build("gpt2", **{**TINY["gpt2"], "dropout": 0.1})
+    built.model.cuda()
+    inputs = {k: v.cuda() for k, v in built.inputs.items()}
+    ref = twin(built.model)
+    for name in built.blocks:
+        remat.wrap(built.model.get_submodule(name), policy="full")
+    with torch._inductor.config.patch(fallback_random=True):
+        loss = _hf_step(torch.compile(built.model, fullgraph=True), inputs)
+        ref_loss = _hf_step(torch.compile(ref, fullgraph=True), inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    for (name, p), q in zip(built.model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

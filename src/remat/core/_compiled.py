@@ -49,7 +49,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-__all__ = ["run_compiled", "eager_module", "quiet_torch_notice"]
+from remat.core.measure import measure_peak
+
+__all__ = ["run_compiled", "eager_module", "quiet_torch_notice", "compiled_peak"]
 
 
 class _NotTraced(Exception):
@@ -153,3 +155,16 @@ def eager_module(model: Any) -> Any:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str) -> int:
+    """Peak bytes of one ``torch.compile(model, backend=backend)`` training step, allocator-level.
+
+    One step compiles first (or recompiles: dynamo guards on each block's ``forward``), so
+    the compiler's own allocations are not counted. Gradients, buffers and RNG are left as
+    the steps left them: the caller restores the model.
+    """
+    compiled = torch.compile(eager_module(model), backend=backend)
+    measure_peak(compiled, inputs, loss_fn, allocator=True)
+    peak, _, _ = measure_peak(compiled, inputs, loss_fn, allocator=True)
+    return peak

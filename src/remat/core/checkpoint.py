@@ -227,6 +227,8 @@ def checkpoint(
             draws the same mask. Only turn off for functions that draw nothing.
 
     ``policy`` and ``preserve_rng_state`` are remat's; every other keyword goes to ``fn``.
+    Under ``torch.compile`` the call is traced as torch's checkpoint operator with the same
+    policy (NOTE [Under torch.compile] in ``remat.core._compiled``).
     """
     if fn is None:
         if args or kwargs:

@@ -15,8 +15,8 @@ from remat.profiling._types import Profile
 
 __all__ = ["Plan", "parse_budget", "plan"]
 
-PLAN_SCHEMA = 2
-_PLAN_SCHEMAS_READ = (1, 2)  # 1: before training, measured_peak_bytes and notes
+PLAN_SCHEMA = 3
+_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before execution
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _ACCEPTED = "bytes (int), a string with units ('6GiB', '500MB'), or a fraction 0 < f <= 1 of the baseline peak"
@@ -48,6 +48,8 @@ class Plan:
     """Peak of one real step with the plan applied, measured by ``remat.auto`` (None: not measured)."""
     notes: tuple[str, ...] = ()
     """What ``remat.auto`` did to make the plan fit (re-plans with a margin), in order."""
+    execution: str = "eager"
+    """What the plan's budget was verified for: ``eager`` or ``compiled`` (``remat.auto(..., compiled=...)``)."""
 
     @property
     def verified(self) -> bool:
