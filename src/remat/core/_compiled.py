@@ -23,6 +23,12 @@ graph, not by remat's code (each is tested in tests/core/test_compiled.py):
   random op must still advance the generator] holds without remat's ledger.
 * autocast and keyword arguments are traced like any other code.
 
+A backend that runs dynamo's graph as Python (``backend="eager"``; ``torch._dynamo.explain``)
+runs the operator itself with torch's eager checkpoint: not a fallback (the block was
+traced), and there a block that writes a buffer (BatchNorm) fails in backward with a
+version-counter error, exactly as torch's own checkpoint does under that backend. Train
+with ``aot_eager`` or inductor (the default).
+
 ``remat.is_recomputing()`` is never true inside a compiled block (recompute is part of
 the backward graph, no Python runs), and the region's check of in-place writes to the
 block's inputs does not exist here: torch's functionalization handles such writes.
