@@ -451,22 +451,4 @@ def test_side_effect_that_changes_recompute_is_a_clear_error():
         remat.checkpoint(fn, x * 2).sum().backward()
 
 
-def test_under_torch_compile_blocks_run_eagerly_and_gradients_match():
-    # dynamo cannot trace torch's checkpoint with remat's region; remat's call is a graph
-    # break instead of an internal dynamo error, and the code around it is compiled.
-    torch.manual_seed(0)
-    blocks = [Counting(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.BatchNorm1d(32))) for _ in range(2)]
-    model = nn.Sequential(nn.Linear(16, 32), *blocks, nn.Linear(32, 4))
-    reference = twin(model)
-    for b in blocks:
-        remat.wrap(b)
-    x = torch.randn(8, 16)  # raw input: the first block's input needs no grad (seed 000)
-    compiled = torch.compile(model)
-    compiled(x).square().mean().backward()
-    reference(x).square().mean().backward()
-    assert [b.calls for b in blocks] == [2, 2]  # forward, then recompute in backward
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
-    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
-        torch.testing.assert_close(b, c, msg=name)  # running stats updated once, not twice
+# Under torch.compile: tests/core/test_compiled.py.

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
@@ -138,14 +139,13 @@ def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | Non
     return (table or {}).get(key[1]), remember
 
 
-# NOTE [Under torch.compile]
-# dynamo cannot trace the region (a dispatch mode, saved-tensor hooks, a holder
-# object) through torch's checkpoint, and fails with an internal error. Disabled
-# for dynamo, a checkpointed call is a graph break: it runs eagerly with every
-# guarantee above, and the code around it is still compiled. The disabled
-# wrapper is made on first use, because ``torch.compiler.disable`` imports
-# dynamo (a second at import time); torch's own checkpoint imports it on its
-# first call anyway.
+# NOTE [Eager calls under torch.compile]
+# While dynamo traces, a call goes to torch's checkpoint operator instead
+# (NOTE [Under torch.compile] in remat.core._compiled). A call dynamo cannot trace
+# runs this eager primitive, disabled for dynamo, so that dynamo never looks inside
+# the region. The disabled wrapper is made on first use, because
+# ``torch.compiler.disable`` imports dynamo (a second at import time); torch's own
+# checkpoint imports it on its first call anyway.
 _uncompiled: Callable[..., Any] | None = None
 
 
@@ -247,6 +247,8 @@ def checkpoint(
     Like torch, every other keyword goes to ``fn``. A failure while recomputing raises
     :class:`remat.errors.RecomputeError`, which is also torch's ``CheckpointError``
     (a ``RuntimeError``).
+    Under ``torch.compile`` the call is traced as torch's checkpoint operator with the same
+    policy (NOTE [Under torch.compile] in ``remat.core._compiled``).
     """
     if fn is None:
         if args or kwargs:
@@ -266,6 +268,10 @@ def checkpoint(
     _policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs, options)
+        return run_compiled(fn, _policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
+    quiet_torch_notice()
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs, options)
 
 
@@ -304,6 +310,7 @@ def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = 
     if policy not in POLICIES:
         raise RematError(f"remat.wrap: policy must be one of {POLICIES}, got {policy!r}.")
     unwrap(module)
+    quiet_torch_notice()
     if policy != "keep":
         previous = module.__dict__.get("forward")
         module.forward = _CheckpointedForward(module, policy, preserve_rng_state, previous)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core._compiled import eager_module
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
 from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
@@ -176,3 +177,16 @@ def measure(
         loss=loss,
         device=str(device),
     )
+
+
+def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str) -> int:
+    """Peak bytes of one ``torch.compile(model, backend=backend)`` training step, allocator-level.
+
+    One step compiles first (or recompiles: dynamo guards on each block's ``forward``), so
+    the compiler's own allocations are not counted. Gradients, buffers and RNG are left as
+    the steps left them: the caller restores the model.
+    """
+    compiled = torch.compile(eager_module(model), backend=backend)
+    measure_peak(compiled, inputs, loss_fn, allocator=True)
+    peak, _, _ = measure_peak(compiled, inputs, loss_fn, allocator=True)
+    return peak

@@ -17,6 +17,7 @@ Afterwards the model, the RNG streams and torch are exactly as before, also on e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import statistics
@@ -237,7 +238,10 @@ def doctor(
     Works with whatever checkpointing the model uses: ``torch.utils.checkpoint`` (reentrant
     or not), ``checkpoint_sequential``, torch's ``checkpoint_wrapper``, Hugging Face
     gradient checkpointing, ``remat.checkpoint`` and ``remat.wrap``. The model, its
-    gradients, the RNG streams and torch are restored afterwards.
+    gradients, the RNG streams and torch are restored afterwards. A compiled model
+    (``torch.compile(model)``, ``model.compile()``) is diagnosed eagerly, as written:
+    under compile its checkpointed blocks become torch's checkpoint operator, whose
+    guarantees are those of NOTE [Under torch.compile] in ``remat.core._compiled``.
 
     Args:
         model: the model as the user trains it.
@@ -260,7 +264,7 @@ def doctor(
     run = _Run(model, inputs, loss_fn, icpt, state, python, python.snapshot())
     stage = "the step without checkpointing"
     try:
-        with session(icpt):
+        with session(icpt), _eagerly():
             ref = _step(run, plain=True)
             stage = "the step with the model's checkpointing (it ran fine without)"
             ck = _step(run, plain=False)
@@ -277,6 +281,12 @@ def doctor(
         state.restore()
         python.restore(run.python_before)
     return _report(ref, ck, costs, state, python, _leaf_names(model), rtol, atol, min_saving)
+
+
+def _eagerly() -> Any:
+    """Every compiled module and function runs eagerly inside (torch >= 2.6; a no-op before)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _leaf_names(model: nn.Module) -> set[str]:

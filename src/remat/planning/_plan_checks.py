@@ -54,6 +54,8 @@ def check_plan_fields(data: dict[str, Any]) -> None:
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise _field_error("notes", notes, "a list of strings")
+    if data.get("execution", "eager") not in ("eager", "compiled"):
+        raise _field_error("execution", data["execution"], '"eager" or "compiled"')
     assignment = data["assignment"]
     if not isinstance(assignment, dict):
         raise _field_error("assignment", assignment, 'an object of block name -> policy, e.g. {"layers.0": "full"}')

@@ -14,12 +14,13 @@ from typing import Any
 
 from torch import nn
 
+from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._state import capture
 from remat.core._user_errors import model_errors, require_module
 from remat.core.checkpoint import is_wrapped, unwrap, wrap
-from remat.core.measure import measure_peak
+from remat.core.measure import compiled_peak, measure_peak
 from remat.errors import RematError
 from remat.planning._plan_checks import check_plan_fits
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
@@ -56,11 +57,13 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
     Warns when the plan was made in training mode and the model is in eval mode now, or
     the other way round: the plan's predicted peak holds in the mode it was made in.
+    ``model`` may be ``torch.compile(model)``: the plan goes on the module it wraps, and the
+    next compiled call recompiles with it.
     """
     require_module(model, "remat.apply")
     if not isinstance(plan, Plan):
         raise RematError(f"remat.apply: expected a remat.Plan, got {type(plan).__name__}; make one with remat.plan(...).")
-    _put(model, plan)
+    _put(eager_module(model), plan)
     _warn_mode(model, plan)
     return model
 
@@ -87,14 +90,15 @@ def _put(model: nn.Module, plan: Plan) -> None:
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
-    for module in model.modules():
+    for module in eager_module(model).modules():
         unwrap(module)
     restore_cache(model)
     return model
 
 
 def auto(
-    model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, verify: bool = True, **profile_options: Any
+    model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, verify: bool = True,
+    compiled: bool | str = False, **profile_options: Any
 ) -> Plan:
     """Profile, plan for ``budget`` and apply, in one call. Returns the plan applied.
 
@@ -113,17 +117,31 @@ def auto(
     the measured numbers. ``plan.measured_peak_bytes`` holds the figure; fake-tensor
     plans are not measured (``plan.verified`` is False).
 
-    Nothing is applied when profiling, planning or verification fails.
+    NOTE [Plans for compiled execution]
+    A compiled step keeps fewer tensors than the eager one (fusion, the partitioner), so
+    an eager plan is needlessly tight under compile. With ``compiled=True`` (or a
+    ``torch.compile`` backend name such as ``"aot_eager"``) auto measures the compiled step
+    without checkpointing (allocator-level, ``remat.core._compiled.compiled_peak``); a
+    fractional budget is a fraction of that peak; candidate plans are chosen from the eager
+    profile with their predicted peaks scaled by compiled / eager baseline, and each is
+    verified by a compiled step (a recompile each: seconds to minutes). The plan says
+    ``execution="compiled"``; its ``measured_peak_bytes`` is the compiled step's.
+
+    Nothing is applied when profiling, planning or verification fails. A ``torch.compile``'d
+    model is profiled and verified eagerly (the module it wraps, which gets the plan); its
+    next compiled call recompiles with the plan (NOTE [Under torch.compile]).
     """
+    model = eager_module(model)
     require_module(model, "remat.auto")
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
+    backend = _compile_backend(compiled, verify, profile_options)
     check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)
     try:
         prof = make_profile(model, inputs, loss_fn, **profile_options)
         if verify and not prof.fake:
-            chosen = _verified_plan(model, inputs, loss_fn, prof, budget)
+            chosen = _verified_plan(model, inputs, loss_fn, prof, budget, backend)
         else:
             chosen = make_plan(prof, budget)
             _put(model, chosen)
@@ -135,35 +153,64 @@ def auto(
     return chosen
 
 
-def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan) -> int:
-    """Peak of one real step with ``plan`` applied, in the plan's mode; the model is restored after."""
+def _compile_backend(compiled: bool | str, verify: bool, profile_options: dict) -> str | None:
+    if compiled is False:
+        return None
+    if not verify or profile_options.get("fake"):
+        raise RematError(
+            f"remat.auto: compiled={compiled!r} verifies every candidate plan with a real compiled step, so it needs "
+            "verify=True and real tensors (not fake=True); drop compiled= to plan for eager execution."
+        )
+    if compiled is True:
+        return "inductor"
+    if not isinstance(compiled, str) or not compiled:
+        raise RematError(f"remat.auto: compiled must be True, False or a torch.compile backend name, got {compiled!r}.")
+    return compiled
+
+
+def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None) -> int:
+    """Peak of one real step with ``plan`` applied, in the plan's mode (compiled with ``backend`` if given);
+    the model is restored after."""
     _put(model, plan)
     state = capture(model)
     try:
         if plan.training is not None:
             model.train(plan.training)
         with model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
+            if backend is not None:
+                return compiled_peak(model, inputs, loss_fn, backend=backend)
             peak, _, _ = measure_peak(model, inputs, loss_fn)
     finally:
         state.restore()
     return peak
 
 
-def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any) -> Plan:
-    limit = parse_budget(budget, prof.baseline_peak_bytes)
-    target, margin, notes, tried = limit, 0, [], []
+def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None) -> Plan:
+    # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
+    baseline = prof.baseline_peak_bytes
+    notes: list[str] = []
+    if backend is not None:
+        baseline = _measured(model, inputs, loss_fn, make_plan(prof, strategy="none"), backend)
+        notes.append(f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
+                     f"{baseline / prof.baseline_peak_bytes:.2f} of the eager peak.")
+    scale = prof.baseline_peak_bytes / baseline
+    execution = "eager" if backend is None else "compiled"
+    limit = parse_budget(budget, baseline)
+    target, margin, tried = limit, 0, []
     for _ in range(REPLANS + 1):
         try:
-            candidate = make_plan(prof, target)
+            candidate = make_plan(prof, int(target * scale))
         except RematError:
             break  # the margin leaves no plan: only the lowest-peak plan is left to try
-        measured = _measured(model, inputs, loss_fn, candidate)
+        measured = _measured(model, inputs, loss_fn, candidate, backend)
         tried.append((candidate, measured))
         if measured <= limit:
-            return replace(candidate, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes))
-        margin = max(margin, measured - candidate.predicted_peak_bytes)
+            return replace(candidate, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes),
+                           execution=execution)
+        predicted = int(candidate.predicted_peak_bytes / scale)
+        margin = max(margin, measured - predicted)
         notes.append(
-            f"A plan predicted at {human_bytes(candidate.predicted_peak_bytes)} measured "
+            f"A plan predicted at {human_bytes(predicted)} measured "
             f"{human_bytes(measured)}, over the budget: re-planned with a margin of {human_bytes(margin)}."
         )
         log.warning("remat.auto: %s", notes[-1])
@@ -172,15 +219,16 @@ def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budge
     lowest = make_plan(prof, lowest.min_peak_bytes)
     measured = next((m for p, m in tried if p.assignment == lowest.assignment), None)
     if measured is None:
-        measured = _measured(model, inputs, loss_fn, lowest)
+        measured = _measured(model, inputs, loss_fn, lowest, backend)
     if measured <= limit:
         notes.append("The lowest-peak plan fits the budget.")
-        return replace(lowest, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes))
+        return replace(lowest, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes),
+                       execution=execution)
     remove(model)
     raise RematError(
-        f"remat.auto: budget {human_bytes(limit)} ({limit} bytes, {limit / prof.baseline_peak_bytes:.3f} of the "
-        f"{human_bytes(prof.baseline_peak_bytes)} peak without checkpointing) cannot be met: the lowest-peak plan "
+        f"remat.auto: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the "
+        f"{human_bytes(baseline)} {execution} peak without checkpointing) cannot be met: the lowest-peak plan "
         f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "
-        f"{human_bytes(lowest.predicted_peak_bytes)}). Raise the budget to at least {measured} bytes, or lower the "
+        f"{human_bytes(int(lowest.predicted_peak_bytes / scale))}). Raise the budget to at least {measured} bytes, or lower the "
         "batch size / sequence length."
     )

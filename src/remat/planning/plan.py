@@ -18,7 +18,7 @@ from remat.profiling._types import Profile
 __all__ = ["Plan", "parse_budget", "plan"]
 
 PLAN_SCHEMA = 3
-_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters
+_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters and execution
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _ACCEPTED = ("a fraction 0 < f <= 1 of the peak without checkpointing (0.5, '0.5', '50%'), bytes with a unit "
@@ -55,6 +55,8 @@ class Plan:
     parameters: int | None = None
     """Parameter elements of the profiled model; ``remat.apply`` refuses a model with another count
     (None: not recorded, in plans saved before remat recorded it)."""
+    execution: str = "eager"
+    """What the plan's budget was verified for: ``eager`` or ``compiled`` (``remat.auto(..., compiled=...)``)."""
 
     @property
     def verified(self) -> bool:
