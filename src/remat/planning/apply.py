@@ -16,6 +16,7 @@ from torch import nn
 
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._hf import disable_cache, restore_cache
+from remat.core._segment import schedule_segments, unschedule
 from remat.core._state import capture
 from remat.core.checkpoint import is_wrapped, unwrap, wrap
 from remat.core.measure import measure_peak
@@ -71,6 +72,8 @@ def _put(model: nn.Module, plan: Plan) -> None:
             f"{' ...' if len(missing) > 5 else ''}; was the plan made for another model?"
         )
     check_no_double_checkpointing(model, plan.checkpointed, api="remat.apply")
+    for module in model.modules():
+        unschedule(module)
     done: list[nn.Module] = []
     try:
         for name, policy in plan.assignment.items():
@@ -79,6 +82,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
                 done.append(modules[name])
             elif is_wrapped(modules[name]):
                 unwrap(modules[name])
+        schedule_segments(model, plan.segments)
     except Exception:
         for module in done:
             unwrap(module)
@@ -91,6 +95,7 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
     for module in model.modules():
         unwrap(module)
+        unschedule(module)
     restore_cache(model)
     return model
 

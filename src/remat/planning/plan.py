@@ -9,14 +9,15 @@ from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from remat.errors import RematError
+from remat.planning._nested import nested_floor, plan_nested
 from remat.planning._solve import cast_credits, chain_of, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
 __all__ = ["Plan", "parse_budget", "plan"]
 
-PLAN_SCHEMA = 2
-_PLAN_SCHEMAS_READ = (1, 2)  # 1: before training, measured_peak_bytes and notes
+PLAN_SCHEMA = 3
+_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before segments
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _ACCEPTED = "bytes (int), a string with units ('6GiB', '500MB'), or a fraction 0 < f <= 1 of the baseline peak"
@@ -48,6 +49,9 @@ class Plan:
     """Peak of one real step with the plan applied, measured by ``remat.auto`` (None: not measured)."""
     notes: tuple[str, ...] = ()
     """What ``remat.auto`` did to make the plan fit (re-plans with a margin), in order."""
+    segments: tuple[tuple[str, str], ...] = ()
+    """Nested plans: runs of consecutive blocks (first, last) checkpointed as one region, recomputed in
+    backward with the blocks' own policies inside; ranges nest or are disjoint (``remat.planning._nested``)."""
 
     @property
     def verified(self) -> bool:
@@ -96,7 +100,8 @@ class Plan:
         bad = {b: p for b, p in data["assignment"].items() if p not in ("keep", "selective", "full")}
         if bad:
             raise RematError(f"remat.Plan.from_json: unknown policies {bad}; use keep, selective or full.")
-        return cls(**{**data, "notes": tuple(data.get("notes", ()))})
+        segments = tuple(tuple(pair) for pair in data.get("segments", ()))
+        return cls(**{**data, "notes": tuple(data.get("notes", ())), "segments": segments})
 
 
 def parse_budget(budget: Any, baseline_bytes: int) -> int:
@@ -240,7 +245,7 @@ def _solve_fitting(profile: Profile, chain: Any, limit: int) -> dict[str, str] |
     return _greedy(profile, limit)
 
 
-def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> Plan:
+def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nested: bool = True) -> Plan:
     """The plan of least predicted extra time whose predicted peak fits ``budget``.
 
     Args:
@@ -250,6 +255,8 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
         strategy: ``"optimal"`` (needs a budget), or a hand-made choice to compare
             on the same footing: ``"none"``, ``"all"`` (full recompute everywhere),
             ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.
+        nested: below the lowest peak of one policy per block, checkpoint runs of blocks as nested
+            segments (``Plan.segments``; chains of blocks in one ``nn.Sequential``, ``remat.planning._nested``).
 
     For a chain of blocks the solver is a dynamic program that is exact up to a
     rounding of live bytes to 1/32768 of their range, always on the safe
@@ -265,6 +272,12 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
         raise RematError("remat.plan: the optimal strategy needs a budget; give " + _ACCEPTED + ".")
     baseline = profile.baseline_peak_bytes
     limit = parse_budget(budget, baseline)
+    if limit < minimum and nested:
+        found = _nested(profile, limit, minimum)
+        if found is not None:
+            return found
+        floor = nested_floor(profile)
+        minimum = min(minimum, floor[0]) if floor is not None else minimum
     if limit < minimum:
         raise RematError(
             f"remat.plan: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the baseline) is "
@@ -282,3 +295,24 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
         # lowest-peak plan fits them by definition.
         assignment = lowest
     return _make(profile, assignment, "optimal", limit, minimum)
+
+
+def _nested(profile: Profile, limit: int, one_level_minimum: int) -> Plan | None:
+    """The nested plan for a budget below what one policy per block reaches (None: none fits)."""
+    found = plan_nested(profile, limit)
+    if found is None:
+        return None
+    assignment, segments, peak, extra = found
+    floor = nested_floor(profile)
+    return Plan(
+        assignment={b.name: assignment.get(b.name, "keep") for b in profile.blocks},
+        predicted_peak_bytes=peak,
+        predicted_overhead=extra / profile.step_time_s if profile.step_time_s > 0 else 0.0,
+        baseline_peak_bytes=profile.baseline_peak_bytes,
+        min_peak_bytes=min(one_level_minimum, floor[0]) if floor is not None else one_level_minimum,
+        budget_bytes=limit,
+        strategy="optimal",
+        model=profile.model,
+        training=profile.training,
+        segments=segments,
+    )

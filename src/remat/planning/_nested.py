@@ -1,0 +1,254 @@
+"""Nested plans: checkpointed runs of blocks with a plan of their own inside (issue #19).
+
+NOTE [The nested peak model]
+A segment [s, e) is checkpointed as one region (``remat.core._segment``). In forward
+its blocks run saving nothing: each block's intermediate output is freed once the
+next block has run, so the walk adds block k's forward under ``full`` and frees its
+input (the previous block's output, ``output_bytes``) unless it is the segment's
+input. In backward the segment is recomputed: blocks s..e-2 run again under their
+own plan (kept, checkpointed, or sub-segments), then the last block, recomputed
+from its input like a ``full`` block (the recomputation stops at its input: torch's
+early stop), then the backward of the rest in reverse. Every number comes from the
+profile's uniform runs (``remat.planning._solve.Chain``); after a segment's backward
+the walk continues from the live bytes the flat chain would have (the blocks' own
+forward plus backward deltas), so rounding inside a segment never leaks out of it.
+
+NOTE [The nested DP]
+Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``
+is the least extra time to run blocks s..e-1 forward then their tail (the head's
+backward glue at the top, the segment's last block inside a segment) then backward,
+within ``m`` grid units above the live bytes at s. The first item is a block under a
+policy (the rest gets ``m`` minus what it keeps) or a segment [s, k) (the rest gets
+``m`` minus its output; its own backward is ``best(s, k-1)`` with block k-1 as tail,
+within what is left after the gradients the rest leaves). Sizes are rounded up and
+frees down to a grid of 1/``GRID`` of the baseline peak, so an accepted plan never
+exceeds its budget in the model; the exact walk (``simulate``) gives the prediction.
+O(n^3 GRID): used for chains of at most ``MAX_BLOCKS`` blocks, and by ``remat.plan``
+only where the one-level plan cannot reach the budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.planning._solve import Chain, chain_of
+from remat.profiling._types import Profile
+
+GRID = 256
+MAX_BLOCKS = 32
+
+
+@dataclass(frozen=True)
+class Node:
+    """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
+
+    start: int
+    policy: int = -1
+    end: int | None = None
+    children: tuple[Node, ...] = ()
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The chain plus what nested plans need: output bytes and forward time per block."""
+
+    chain: Chain
+    out: np.ndarray
+    fwd_s: np.ndarray
+    full: int
+
+
+def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
+    ch = c.chain
+    for node in nodes:
+        if node.end is None:
+            top = max(top, live + int(ch.fwd_peak[node.start, node.policy]))
+            live += int(ch.fwd_delta[node.start, node.policy])
+        else:
+            live, top = _fwd_nosave(c, node.start, node.end, live, top)
+    return live, top
+
+
+def _fwd_nosave(c: Costs, s: int, e: int, live: int, top: int) -> tuple[int, int]:
+    ch, f = c.chain, c.full
+    for k in range(s, e):
+        top = max(top, live + int(ch.fwd_peak[k, f]))
+        live += int(ch.fwd_delta[k, f]) - (int(c.out[k - 1]) if k > s else 0)
+    return live, top
+
+
+def _net(c: Costs, nodes: tuple[Node, ...]) -> int:
+    ch, total = c.chain, 0
+    for node in nodes:
+        if node.end is None:
+            total += int(ch.fwd_delta[node.start, node.policy] + ch.bwd_delta[node.start, node.policy])
+        else:
+            total += _net(c, node.children) + int(ch.fwd_delta[node.end - 1, c.full] + ch.bwd_delta[node.end - 1, c.full])
+    return total
+
+
+def _bwd(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
+    ch, f = c.chain, c.full
+    for node in reversed(nodes):
+        if node.end is None:
+            top = max(top, live + int(ch.bwd_peak[node.start, node.policy]))
+            live += int(ch.bwd_delta[node.start, node.policy])
+            continue
+        before = live - _fwd_nosave(c, node.start, node.end, 0, 0)[0]
+        inner, top = _fwd_record(c, node.children, live, top)
+        top = max(top, inner + int(ch.bwd_peak[node.end - 1, f]))
+        inner += int(ch.bwd_delta[node.end - 1, f])
+        _, top = _bwd(c, node.children, inner, top)
+        live = before + _net(c, (node,))
+    return live, top
+
+
+def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
+    """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
+    ch = c.chain
+    live, top = _fwd_record(c, nodes, ch.start, ch.pre_peak)
+    top = max(top, live + int(ch.post_peak.max()))
+    _, top = _bwd(c, nodes, live + int(ch.post_delta.max()), top)
+    return top
+
+
+def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
+    """Predicted extra step time of ``nodes``: each block's policy, plus every segment's recomputation."""
+    total = 0.0
+    for node in nodes:
+        if node.end is None:
+            total += float(c.chain.extra_s[node.start, node.policy])
+        else:
+            total += float(c.fwd_s[node.start:node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
+            total += extra_time(c, node.children)
+    return total
+
+
+def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None:
+    """The nested plan of least extra time whose peak fits ``budget`` (NOTE [The nested DP]); None if none."""
+    ch, f = c.chain, c.full
+    n, P = ch.fwd_delta.shape
+    unit = max(1, -(-int(max(budget, 1)) // GRID))
+    up = lambda a: -(-np.asarray(a, dtype=np.int64) // unit)  # noqa: E731
+    FP, FD, BP, BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
+    out = np.asarray(c.out, dtype=np.int64) // unit
+    net = up((ch.fwd_delta + ch.bwd_delta).max(axis=1))
+    post_peak, post_delta = int(up(ch.post_peak.max())), int(up(ch.post_delta.max()))
+    csum = np.concatenate([[0], np.cumsum(net)])
+    head = int(math.floor((budget - ch.start) / unit))
+    if ch.pre_peak > budget or head < 0:
+        return None
+
+    def nosave(s: int, e: int) -> tuple[int, int]:
+        live = top = 0
+        for k in range(s, e):
+            top = max(top, live + int(FP[k, f]))
+            live += int(FD[k, f]) - (int(out[k - 1]) if k > s else 0)
+        return live, top
+
+    @functools.lru_cache(maxsize=None)
+    def best(s: int, e: int, m: int, top_level: bool) -> tuple[float, tuple[Node, ...]]:
+        tail_peak, tail_delta = (post_peak, post_delta) if top_level else (int(BP[e - 1, f]), int(BD[e - 1, f]))
+        stop = e if top_level else e - 1
+        tail_time = 0.0 if top_level else float(ch.extra_s[e - 1, f])
+        if s == stop:
+            return (tail_time, ()) if tail_peak <= m else (math.inf, ())
+        after = int(csum[stop] - csum[s + 1]) + tail_delta  # what the later blocks and the tail leave
+        found: tuple[float, tuple[Node, ...]] = (math.inf, ())
+        for j in range(P):
+            if FP[s, j] > m or FD[s, j] + after + BP[s, j] > m:
+                continue
+            cost, rest = best(s + 1, e, m - int(FD[s, j]), top_level)
+            cost += float(ch.extra_s[s, j])
+            if cost < found[0]:
+                found = (cost, (Node(s, j), *rest))
+        for k in range(s + 2, stop + 1):
+            kept, peak = nosave(s, k)
+            if peak > m:
+                break
+            cost, rest = best(k, e, m - kept, top_level)
+            if not math.isfinite(cost):
+                continue
+            left = m - kept - (int(csum[stop] - csum[k]) + tail_delta)
+            inner, children = best(s, k, left, False)
+            cost += inner + float(c.fwd_s[s:k - 1].sum())
+            if cost < found[0]:
+                found = (cost, (Node(s, end=k, children=children), *rest))
+        return found
+
+    cost, nodes = best(0, n, head, True)
+    return None if not math.isfinite(cost) else (nodes, cost)
+
+
+def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]] | None:
+    """The lowest budget in [low, high] (to 0.1%) at which ``solve_nested`` finds a plan, and the plan."""
+    found = solve_nested(c, high)
+    if found is None:
+        return None
+    best = (simulate(c, found[0]), found[0])
+    while high - low > max(1, high // 1000):
+        mid = (low + high) // 2
+        found = solve_nested(c, mid)
+        if found is None:
+            low = mid
+        else:
+            high = mid
+            best = min(best, (simulate(c, found[0]), found[0]), key=lambda t: t[0])
+    return best
+
+
+def costs_of(profile: Profile) -> Costs | None:
+    """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
+    ch = chain_of(profile)
+    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
+        return None
+    by_name = {b.name: b for b in profile.blocks}
+    out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)
+    fwd = np.array([by_name[b].fwd_time_s for b in ch.blocks])
+    return Costs(ch, out, fwd, ch.policies.index("full"))
+
+
+def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
+    """(block -> policy, segments as (first block, last block)); a segment's last block is ``full``."""
+    names, pols = c.chain.blocks, c.chain.policies
+    assignment: dict[str, str] = {}
+    segments: list[tuple[str, str]] = []
+
+    def visit(items: tuple[Node, ...]) -> None:
+        for node in items:
+            if node.end is None:
+                assignment[names[node.start]] = pols[node.policy]
+            else:
+                segments.append((names[node.start], names[node.end - 1]))
+                assignment[names[node.end - 1]] = "full"
+                visit(node.children)
+
+    visit(nodes)
+    return assignment, tuple(segments)
+
+
+def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
+    """The lowest predicted peak of a nested plan (cached on the profile), or None without a nested view."""
+    cached = profile.__dict__.get("_remat_nested_floor", False)
+    if cached is False:
+        c = costs_of(profile)
+        cached = None if c is None else lowest_nested(c, c.chain.pre_peak, profile.baseline_peak_bytes)
+        profile.__dict__["_remat_nested_floor"] = cached
+    return cached
+
+
+def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
+    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``."""
+    c = costs_of(profile)
+    found = solve_nested(c, limit) if c is not None else None
+    if found is None:
+        floor = nested_floor(profile)
+        if floor is None or floor[0] > limit:
+            return None
+        found = (floor[1], extra_time(c, floor[1]))
+    assignment, segments = to_plan(c, found[0])
+    return assignment, segments, simulate(c, found[0]), extra_time(c, found[0])
