@@ -9,6 +9,7 @@ import torch
 import remat
 from remat.core._state import capture
 from remat.planning._solve import chain_of, solve
+from remat.planning.plan import PLAN_SCHEMA
 from remat.planning._synthetic import synthetic_profile
 from remat.zoo import build
 
@@ -123,7 +124,7 @@ def test_plan_json_round_trip_and_validation(profiled):
     again = remat.Plan.from_json(plan.to_json())
     assert again == plan
     with pytest.raises(remat.RematError, match="schema"):
-        remat.Plan.from_json(plan.to_json().replace('"schema": 2', '"schema": 7'))
+        remat.Plan.from_json(plan.to_json().replace(f'"schema": {PLAN_SCHEMA}', '"schema": 7'))
     with pytest.raises(remat.RematError, match="not JSON"):
         remat.Plan.from_json("{")
     with pytest.raises(remat.RematError, match="unknown policies"):
