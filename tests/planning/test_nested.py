@@ -75,8 +75,8 @@ def test_nested_plan_gradients_buffers_and_memory_match(chain_and_profile):
     assert list(twin.state_dict()) == keys
     measured = remat.measure(twin, x, repeat=1, warmup=1).peak_bytes
     assert measured <= plan.budget_bytes
-    # Not yet the 1% of one-level plans: measured -0.2% to +2.5% on conv chains (issue #19).
-    assert abs(plan.predicted_peak_bytes - measured) <= 0.03 * measured
+    # Off by the region's copies of BatchNorm buffers (136 bytes a segment here): within 1%.
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured
     remat.remove(twin)
     assert "forward" not in twin.__dict__ and not any("forward" in m.__dict__ for m in twin.modules())
 

@@ -40,6 +40,7 @@ from remat.profiling._types import Profile
 
 GRID = 256
 MAX_BLOCKS = 32
+_RESOLVES = 4
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class Costs:
     out: np.ndarray
     fwd_s: np.ndarray
     full: int
+    holds: np.ndarray | None = None
+    """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
 
 
 def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
@@ -81,29 +84,37 @@ def _fwd_nosave(c: Costs, s: int, e: int, live: int, top: int) -> tuple[int, int
     return live, top
 
 
-def _net(c: Costs, nodes: tuple[Node, ...]) -> int:
-    ch, total = c.chain, 0
+def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[int, bool]:
+    """Block -> whether it keeps its own output until its backward under the plan (a segment's last block does not)."""
     for node in nodes:
         if node.end is None:
-            total += int(ch.fwd_delta[node.start, node.policy] + ch.bwd_delta[node.start, node.policy])
+            out[node.start] = c.holds is not None and bool(c.holds[node.start, node.policy])
         else:
-            total += _net(c, node.children) + int(ch.fwd_delta[node.end - 1, c.full] + ch.bwd_delta[node.end - 1, c.full])
-    return total
+            out[node.end - 1] = False
+            _holders(c, node.children, out)
+    return out
 
 
-def _bwd(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
-    ch, f = c.chain, c.full
+def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], live: int, top: int) -> tuple[int, int]:
+    """Block k's backward as in ``policy``'s run, with its input freed where the plan frees it: that run's
+    previous block may have kept it (then this block's delta does not free it) where the plan's does not."""
+    ch = c.chain
+    top = max(top, live + int(ch.bwd_peak[k, policy]))
+    live += int(ch.bwd_delta[k, policy])
+    if k > 0 and c.holds is not None:
+        in_run, in_plan = bool(c.holds[k - 1, policy]), holds.get(k - 1, False)
+        live += (int(c.out[k - 1]) if in_plan else 0) - (int(c.out[k - 1]) if in_run else 0)
+    return live, top
+
+
+def _bwd(c: Costs, nodes: tuple[Node, ...], live: int, top: int, holds: dict[int, bool]) -> tuple[int, int]:
     for node in reversed(nodes):
         if node.end is None:
-            top = max(top, live + int(ch.bwd_peak[node.start, node.policy]))
-            live += int(ch.bwd_delta[node.start, node.policy])
+            live, top = _block_bwd(c, node.start, node.policy, holds, live, top)
             continue
-        before = live - _fwd_nosave(c, node.start, node.end, 0, 0)[0]
-        inner, top = _fwd_record(c, node.children, live, top)
-        top = max(top, inner + int(ch.bwd_peak[node.end - 1, f]))
-        inner += int(ch.bwd_delta[node.end - 1, f])
-        _, top = _bwd(c, node.children, inner, top)
-        live = before + _net(c, (node,))
+        live, top = _fwd_record(c, node.children, live, top)
+        live, top = _block_bwd(c, node.end - 1, c.full, holds, live, top)
+        live, top = _bwd(c, node.children, live, top, holds)
     return live, top
 
 
@@ -112,7 +123,7 @@ def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     ch = c.chain
     live, top = _fwd_record(c, nodes, ch.start, ch.pre_peak)
     top = max(top, live + int(ch.post_peak.max()))
-    _, top = _bwd(c, nodes, live + int(ch.post_delta.max()), top)
+    _, top = _bwd(c, nodes, live + int(ch.post_delta.max()), top, _holders(c, nodes, {}))
     return top
 
 
@@ -208,8 +219,16 @@ def costs_of(profile: Profile) -> Costs | None:
         return None
     by_name = {b.name: b for b in profile.blocks}
     out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)
+    holds = np.zeros((len(ch.blocks), len(ch.policies)), dtype=bool)
+    index = {b: i for i, b in enumerate(ch.blocks)}
+    for crossing in profile.crossings:  # a block's output: its size, and which runs freed it in its own backward
+        made_by = crossing.producer[1] if crossing.producer is not None else None
+        if made_by in index:
+            k = index[made_by]
+            out[k] = crossing.nbytes
+            holds[k] = [crossing.freed.get(p) == ("bwd", made_by, crossing.producer[2]) for p in ch.policies]
     fwd = np.array([by_name[b].fwd_time_s for b in ch.blocks])
-    return Costs(ch, out, fwd, ch.policies.index("full"))
+    return Costs(ch, out, fwd, ch.policies.index("full"), holds)
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
@@ -244,7 +263,15 @@ def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
 def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
     """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``."""
     c = costs_of(profile)
-    found = solve_nested(c, limit) if c is not None else None
+    found, target = None, limit
+    for _ in range(_RESOLVES if c is not None else 0):
+        # The DP takes each block's input as freed where its own run freed it; the walk moves it to where the
+        # plan's previous block frees it (NOTE [The nested DP]): tighten by what the DP missed and re-solve.
+        trial = solve_nested(c, target)
+        if trial is None or simulate(c, trial[0]) <= limit:
+            found = trial
+            break
+        target -= simulate(c, trial[0]) - limit
     if found is None:
         floor = nested_floor(profile)
         if floor is None or floor[0] > limit:
