@@ -62,7 +62,7 @@ def test_nested_plan_gradients_buffers_and_memory_match(chain_and_profile):
         twin = conv_chain()
         twin.load_state_dict(model.state_dict())
         calls = []
-        twin[1].register_forward_hook(lambda *a: calls.append(1))
+        twin[1][0].register_forward_hook(lambda *a: calls.append(1))
         remat.apply(twin, plan)
         out, grads = _step(twin, x)
     finally:
@@ -91,23 +91,91 @@ def test_plan_json_keeps_segments_and_reads_schema_2(chain_and_profile):
     assert remat.Plan.from_json(json.dumps(old)).segments == ()
 
 
-def test_segments_outside_a_sequential_are_refused_and_leave_the_model_alone():
-    class Loop(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+class _Loop(nn.Module):
+    """Blocks in a ModuleList, called in the parent's loop with a shared extra argument (as Hugging Face does)."""
 
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
+    def __init__(self, residual_in_parent: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Gated() for _ in range(4))
+        self.residual_in_parent = residual_in_parent
 
-    model = Loop()
-    plan = remat.Plan({"layers.0": "keep", "layers.1": "full", "layers.2": "keep"}, 1, 0.0, 1, 1, 1,
-                      "optimal", "Loop", segments=(("layers.0", "layers.1"),))
-    with pytest.raises(remat.RematError, match="nn.Sequential"):
-        remat.apply(model, plan)
+    def forward(self, x):
+        gate = x.mean(dim=0).sigmoid()
+        for layer in self.layers:
+            x = layer(x, gate=gate) + x if self.residual_in_parent else layer(x, gate=gate)
+        return x
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(16, 16), nn.Dropout(0.2)
+
+    def forward(self, x, gate):
+        return self.drop(self.lin(x).tanh() * gate)
+
+
+def _loop_plan(segments):
+    names = [f"layers.{i}" for i in range(4)]
+    return remat.Plan({n: "keep" for n in names} | {"layers.3": "full", "layers.1": "full"}, 1, 0.0, 1, 1, None,
+                      "optimal", "Loop", segments=segments)
+
+
+def test_segments_over_a_module_list_loop_match_gradients():
+    torch.manual_seed(0)
+    ref = _Loop()
+    model = _Loop()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(8, 16)
+    ref_out, ref_grads = _step(ref, x)
+    remat.apply(model, _loop_plan((("layers.0", "layers.3"), ("layers.0", "layers.1"))))
+    out, grads = _step(model, x)
+    assert torch.equal(out, ref_out)  # dropout replayed in every recomputation
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    remat.remove(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_parent_that_does_not_chain_its_blocks_is_refused():
+    model = _Loop(residual_in_parent=True)
+    remat.apply(model, _loop_plan((("layers.0", "layers.1"),)))
+    with pytest.raises(remat.RematError, match="not a chain"):
+        model(torch.randn(8, 16))
+    remat.remove(model)
+    with pytest.raises(remat.RematError, match="two or more blocks"):
+        remat.apply(model, _loop_plan((("layers.0", "layers.2"), ("layers.1", "layers.3"))))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_nested_plans_on_the_zoo_are_exact(name):
+    from remat.planning._nested import costs_of, simulate, to_plan
+    from remat.zoo import build
+
+    sizes = dict(layers=4, hidden=64, heads=4, vocab=256, batch=2, seq=32)
+    zoo = build(name, **sizes, **({"intermediate": 128} if name == "llama" else {}))
+    prof = remat.profile(zoo.model, zoo.inputs)
+    c = costs_of(prof)
+    keep, full = c.chain.policies.index("keep"), c.full
+    nodes = (Node(0, end=4, children=(Node(0, end=2, children=(Node(0, keep),)), Node(2, keep))),)
+    assignment, segments = to_plan(c, nodes)
+    plan = remat.Plan({b.name: assignment[b.name] for b in prof.blocks}, simulate(c, nodes), 0.0,
+                      prof.baseline_peak_bytes, 0, None, "optimal", name, segments=segments)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        zoo.model(**zoo.inputs).loss.backward()
+        ref = {n: p.grad.clone() for n, p in zoo.model.named_parameters()}
+        zoo.model.zero_grad(set_to_none=True)
+        remat.apply(zoo.model, plan)
+        torch.manual_seed(0)
+        zoo.model(**zoo.inputs).loss.backward()
+        assert all(torch.equal(p.grad, ref[n]) for n, p in zoo.model.named_parameters())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    measured = remat.measure(zoo.model, zoo.inputs, repeat=1, warmup=1).peak_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured
+    assert plan.predicted_peak_bytes < prof.baseline_peak_bytes
 
 
 # -- the DP against brute force ------------------------------------------------------------------

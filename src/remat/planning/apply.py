@@ -82,7 +82,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
                 done.append(modules[name])
             elif is_wrapped(modules[name]):
                 unwrap(modules[name])
-        schedule_segments(model, plan.segments)
+        schedule_segments(model, list(plan.assignment), plan.segments)
     except Exception:
         for module in done:
             unwrap(module)
@@ -94,8 +94,8 @@ def _put(model: nn.Module, plan: Plan) -> None:
 def remove(model: nn.Module) -> nn.Module:
     """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
     for module in model.modules():
-        unwrap(module)
         unschedule(module)
+        unwrap(module)
     restore_cache(model)
     return model
 

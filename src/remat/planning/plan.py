@@ -256,7 +256,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
             on the same footing: ``"none"``, ``"all"`` (full recompute everywhere),
             ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.
         nested: below the lowest peak of one policy per block, checkpoint runs of blocks as nested
-            segments (``Plan.segments``; chains of blocks in one ``nn.Sequential``, ``remat.planning._nested``).
+            segments (``Plan.segments``; blocks called as a chain, ``remat.planning._nested``).
 
     For a chain of blocks the solver is a dynamic program that is exact up to a
     rounding of live bytes to 1/32768 of their range, always on the safe
