@@ -23,13 +23,12 @@ policy (the rest gets ``m`` minus what it keeps) or a segment [s, k) (the rest g
 within what is left after the gradients the rest leaves). Sizes are rounded up and
 frees down to a grid of 1/``GRID`` of the baseline peak, so an accepted plan never
 exceeds its budget in the model; the exact walk (``simulate``) gives the prediction.
-O(n^3 GRID): used for chains of at most ``MAX_BLOCKS`` blocks, and by ``remat.plan``
-only where the one-level plan cannot reach the budget.
+O(n^3) numpy steps over the GRID budgets (0.34 s for 24 blocks; the floor takes ~10 solves): used for
+chains of at most ``MAX_BLOCKS`` blocks, and by ``remat.plan`` only below the one-level floor.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
 
 GRID = 256
-MAX_BLOCKS = 32
+MAX_BLOCKS = 24
 _RESOLVES = 4
 
 
@@ -139,60 +138,98 @@ def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
     return total
 
 
+def _shift(values: np.ndarray, by: int) -> np.ndarray:
+    """out[m] = values[m - by]: the rest gets ``by`` units less (more, for ``by`` < 0: clamped to the top,
+    which costs at least as much, so on the safe side); inf where nothing is left."""
+    index = np.arange(len(values)) - by
+    out = values[np.clip(index, 0, len(values) - 1)]
+    return np.where(index < 0, np.inf, out)
+
+
+class _Tables:
+    """``best(s, e, top)`` as arrays over every budget m = 0..H grid units (NOTE [The nested DP]), built by
+    increasing length with numpy over m, with the choice per m for rebuilding the plan."""
+
+    def __init__(self, c: Costs, unit: int, head: int) -> None:
+        ch, f = c.chain, c.full
+        up = lambda a: -(-np.asarray(a, dtype=np.int64) // unit)  # noqa: E731
+        self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
+        self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
+        out = np.asarray(c.out, dtype=np.int64) // unit
+        self.csum = np.concatenate([[0], np.cumsum(up((ch.fwd_delta + ch.bwd_delta).max(axis=1)))])
+        self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
+        self.m = np.arange(head + 1)
+        n = len(ch.blocks)
+        self.nosave = {}
+        for s in range(n):
+            live = top = 0
+            for k in range(s, n):
+                top = max(top, live + int(self.FP[k, f]))
+                live += int(self.FD[k, f]) - (int(out[k - 1]) if k > s else 0)
+                self.nosave[s, k + 1] = (live, top)
+        self.cost: dict[tuple[int, int, bool], np.ndarray] = {}
+        self.pick: dict[tuple[int, int, bool], np.ndarray] = {}
+        for length in range(1, n + 1):
+            for s in range(n - length + 1):
+                self._fill(s, s + length, False)
+        for s in range(n, -1, -1):
+            self._fill(s, n, True)
+
+    def _tail(self, e: int, top: bool) -> tuple[int, int, float]:
+        if top:
+            return (*self.post, 0.0)
+        return int(self.BP[e - 1, self.f]), int(self.BD[e - 1, self.f]), float(self.c.chain.extra_s[e - 1, self.f])
+
+    def _fill(self, s: int, e: int, top: bool) -> None:
+        ch, m = self.c.chain, self.m
+        tail_peak, tail_delta, tail_time = self._tail(e, top)
+        stop = e if top else e - 1
+        best, pick = np.full(len(m), np.inf), np.full(len(m), -1)
+        if s == stop:
+            best[m >= tail_peak] = tail_time
+            self.cost[s, e, top], self.pick[s, e, top] = best, pick
+            return
+        after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
+        options = []
+        for j in range(self.P):
+            ok = (m >= self.FP[s, j]) & (m >= self.FD[s, j] + after + self.BP[s, j])
+            options.append((j, np.where(ok, ch.extra_s[s, j] + _shift(self.cost[s + 1, e, top], int(self.FD[s, j])), np.inf)))
+        for k in range(s + 2, stop + 1):
+            kept, peak = self.nosave[s, k]
+            below = kept + int(self.csum[stop] - self.csum[k]) + tail_delta
+            cost = (_shift(self.cost[k, e, top], kept) + _shift(self.cost[s, k, False], below)
+                    + float(self.c.fwd_s[s:k - 1].sum()))
+            options.append((self.P + k, np.where(m >= peak, cost, np.inf)))
+        for code, cost in options:
+            better = cost < best
+            best, pick = np.where(better, cost, best), np.where(better, code, pick)
+        self.cost[s, e, top], self.pick[s, e, top] = best, pick
+
+    def plan(self, s: int, e: int, top: bool, m: int) -> tuple[Node, ...]:
+        code = int(self.pick[s, e, top][min(max(m, 0), len(self.m) - 1)])
+        if code < 0:
+            return ()
+        if code < self.P:
+            return (Node(s, code), *self.plan(s + 1, e, top, min(m - int(self.FD[s, code]), len(self.m) - 1)))
+        k = code - self.P
+        stop = e if top else e - 1
+        kept = self.nosave[s, k][0]
+        below = kept + int(self.csum[stop] - self.csum[k]) + self._tail(e, top)[1]
+        children = self.plan(s, k, False, min(m - below, len(self.m) - 1))
+        return (Node(s, end=k, children=children), *self.plan(k, e, top, min(m - kept, len(self.m) - 1)))
+
+
 def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None:
     """The nested plan of least extra time whose peak fits ``budget`` (NOTE [The nested DP]); None if none."""
-    ch, f = c.chain, c.full
-    n, P = ch.fwd_delta.shape
+    ch = c.chain
     unit = max(1, -(-int(max(budget, 1)) // GRID))
-    up = lambda a: -(-np.asarray(a, dtype=np.int64) // unit)  # noqa: E731
-    FP, FD, BP, BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
-    out = np.asarray(c.out, dtype=np.int64) // unit
-    net = up((ch.fwd_delta + ch.bwd_delta).max(axis=1))
-    post_peak, post_delta = int(up(ch.post_peak.max())), int(up(ch.post_delta.max()))
-    csum = np.concatenate([[0], np.cumsum(net)])
     head = int(math.floor((budget - ch.start) / unit))
     if ch.pre_peak > budget or head < 0:
         return None
-
-    def nosave(s: int, e: int) -> tuple[int, int]:
-        live = top = 0
-        for k in range(s, e):
-            top = max(top, live + int(FP[k, f]))
-            live += int(FD[k, f]) - (int(out[k - 1]) if k > s else 0)
-        return live, top
-
-    @functools.lru_cache(maxsize=None)
-    def best(s: int, e: int, m: int, top_level: bool) -> tuple[float, tuple[Node, ...]]:
-        tail_peak, tail_delta = (post_peak, post_delta) if top_level else (int(BP[e - 1, f]), int(BD[e - 1, f]))
-        stop = e if top_level else e - 1
-        tail_time = 0.0 if top_level else float(ch.extra_s[e - 1, f])
-        if s == stop:
-            return (tail_time, ()) if tail_peak <= m else (math.inf, ())
-        after = int(csum[stop] - csum[s + 1]) + tail_delta  # what the later blocks and the tail leave
-        found: tuple[float, tuple[Node, ...]] = (math.inf, ())
-        for j in range(P):
-            if FP[s, j] > m or FD[s, j] + after + BP[s, j] > m:
-                continue
-            cost, rest = best(s + 1, e, m - int(FD[s, j]), top_level)
-            cost += float(ch.extra_s[s, j])
-            if cost < found[0]:
-                found = (cost, (Node(s, j), *rest))
-        for k in range(s + 2, stop + 1):
-            kept, peak = nosave(s, k)
-            if peak > m:
-                break
-            cost, rest = best(k, e, m - kept, top_level)
-            if not math.isfinite(cost):
-                continue
-            left = m - kept - (int(csum[stop] - csum[k]) + tail_delta)
-            inner, children = best(s, k, left, False)
-            cost += inner + float(c.fwd_s[s:k - 1].sum())
-            if cost < found[0]:
-                found = (cost, (Node(s, end=k, children=children), *rest))
-        return found
-
-    cost, nodes = best(0, n, head, True)
-    return None if not math.isfinite(cost) else (nodes, cost)
+    tables = _Tables(c, unit, head)
+    n = len(ch.blocks)
+    cost = float(tables.cost[0, n, True][head])
+    return None if not math.isfinite(cost) else (tables.plan(0, n, True, head), cost)
 
 
 def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]] | None:
@@ -201,6 +238,12 @@ def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]]
     if found is None:
         return None
     best = (simulate(c, found[0]), found[0])
+    # One table at ``high`` bounds the floor to a cell per block (rounding) above its first feasible cell.
+    unit = max(1, -(-high // GRID))
+    head = int(math.floor((high - c.chain.start) / unit))
+    first = int(np.flatnonzero(np.isfinite(_Tables(c, unit, head).cost[0, len(c.chain.blocks), True]))[0])
+    high = min(high, c.chain.start + (first + 1) * unit)
+    low = max(low, c.chain.start + (first - 2 * len(c.chain.blocks)) * unit)
     while high - low > max(1, high // 1000):
         mid = (low + high) // 2
         found = solve_nested(c, mid)
