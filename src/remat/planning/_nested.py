@@ -39,7 +39,7 @@ from remat.profiling._types import Profile
 
 GRID = 256
 MAX_BLOCKS = 24
-_RESOLVES = 4
+_SCALES = (0.97, 0.985, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2)
 
 
 @dataclass(frozen=True)
@@ -303,22 +303,26 @@ def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     return cached
 
 
-def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
-    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``."""
+def plan_nested(profile: Profile, limit: int, *, quick: bool = False
+                ) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
+    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``;
+    ``quick``: one DP solve, no floor (above the one-level floor, where a one-level plan exists anyway)."""
     c = costs_of(profile)
-    found, target = None, limit
-    for _ in range(_RESOLVES if c is not None else 0):
-        # The DP takes each block's input as freed where its own run freed it; the walk moves it to where the
-        # plan's previous block frees it (NOTE [The nested DP]): tighten by what the DP missed and re-solve.
-        trial = solve_nested(c, target)
-        if trial is None or simulate(c, trial[0]) <= limit:
-            found = trial
-            break
-        target -= simulate(c, trial[0]) - limit
-    if found is None:
-        floor = nested_floor(profile)
-        if floor is None or floor[0] > limit:
-            return None
-        found = (floor[1], extra_time(c, floor[1]))
+    if c is None:
+        return None
+    # The DP's view differs from the walk where a block's input is freed by another block than in its own run
+    # (NOTE [The nested DP]), either way: solve over a range of DP budgets around the limit and keep the
+    # fastest plan whose walk fits (the floor's plan fits wherever the floor does).
+    fits = []
+    for scale in (1.0,) if quick else _SCALES:
+        trial = solve_nested(c, int(limit * scale))
+        if trial is not None and simulate(c, trial[0]) <= limit:
+            fits.append((trial[1], trial[0]))
+    floor = None if quick else nested_floor(profile)
+    if floor is not None and floor[0] <= limit:
+        fits.append((extra_time(c, floor[1]), floor[1]))
+    if not fits:
+        return None
+    found = min(fits, key=lambda t: t[0])[::-1]
     assignment, segments = to_plan(c, found[0])
     return assignment, segments, simulate(c, found[0]), extra_time(c, found[0])
