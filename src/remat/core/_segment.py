@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.core.checkpoint import checkpoint
@@ -49,9 +50,17 @@ class _Run:
         self.items = items
 
     def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
-        for item in self.items:
+        for item in self.items[:-1]:
             x = checkpoint(item, x, *rest, **kwargs) if isinstance(item, _Run) else item(x, *rest, **kwargs)
-        return x
+            if not isinstance(x, torch.Tensor):
+                raise RematError(
+                    f"remat.apply: a block inside a nested segment returned a {type(x).__name__}, not a tensor; "
+                    "remat runs a segment only where each block's output is the next block's input (a chain), "
+                    "and cannot tell what the parent takes from it (T5's blocks return the hidden states with "
+                    "the position bias). Plan with remat.plan(profile, budget, nested=False) for this model."
+                )
+        last = self.items[-1]
+        return checkpoint(last, x, *rest, **kwargs) if isinstance(last, _Run) else last(x, *rest, **kwargs)
 
 
 class _Head:

@@ -303,10 +303,8 @@ def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     return cached
 
 
-def plan_nested(profile: Profile, limit: int, *, quick: bool = False
-                ) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
-    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``;
-    ``quick``: one DP solve, no floor (above the one-level floor, where a one-level plan exists anyway)."""
+def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
+    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``."""
     c = costs_of(profile)
     if c is None:
         return None
@@ -314,11 +312,11 @@ def plan_nested(profile: Profile, limit: int, *, quick: bool = False
     # (NOTE [The nested DP]), either way: solve over a range of DP budgets around the limit and keep the
     # fastest plan whose walk fits (the floor's plan fits wherever the floor does).
     fits = []
-    for scale in (1.0,) if quick else _SCALES:
+    for scale in _SCALES:
         trial = solve_nested(c, int(limit * scale))
         if trial is not None and simulate(c, trial[0]) <= limit:
             fits.append((trial[1], trial[0]))
-    floor = None if quick else nested_floor(profile)
+    floor = nested_floor(profile)
     if floor is not None and floor[0] <= limit:
         fits.append((extra_time(c, floor[1]), floor[1]))
     if not fits:

@@ -273,7 +273,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
     baseline = profile.baseline_peak_bytes
     limit = parse_budget(budget, baseline)
     if limit < minimum and nested:
-        found = _nested(profile, limit, minimum, quick=False)
+        found = _nested(profile, limit, minimum)
         if found is not None:
             return found
         floor = nested_floor(profile)
@@ -294,20 +294,16 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
         # Rounding refuses budgets within a grid cell per block of the minimum; the
         # lowest-peak plan fits them by definition.
         assignment = lowest
-    one_level = _make(profile, assignment, "optimal", limit, minimum)
-    faster = _nested(profile, limit, minimum, quick=True) if nested and limit < profile.baseline_peak_bytes else None
-    if faster is not None and faster.segments and faster.predicted_overhead < one_level.predicted_overhead - 0.01:
-        return faster  # above the one-level floor too, a nested plan can be faster (conv chain: 1.22x against 1.37x)
-    return one_level
+    return _make(profile, assignment, "optimal", limit, minimum)
 
 
-def _nested(profile: Profile, limit: int, one_level_minimum: int, *, quick: bool) -> Plan | None:
-    """The fastest nested plan within ``limit`` (None: none fits); ``quick``: see ``plan_nested``."""
-    found = plan_nested(profile, limit, quick=quick)
+def _nested(profile: Profile, limit: int, one_level_minimum: int) -> Plan | None:
+    """The fastest nested plan within ``limit`` (None: none fits)."""
+    found = plan_nested(profile, limit)
     if found is None:
         return None
     assignment, segments, peak, extra = found
-    floor = None if quick else nested_floor(profile)
+    floor = nested_floor(profile)
     return Plan(
         assignment={b.name: assignment.get(b.name, "keep") for b in profile.blocks},
         predicted_peak_bytes=peak,
