@@ -283,7 +283,9 @@ def test_seed_002_saved_tensors_and_bytes_drop():
     n_ckpt, bytes_ckpt, out_ckpt = saved_during(lambda: remat.checkpoint(heavy_function, x, a))
     assert torch.equal(out_plain, out_ckpt)
     assert n_plain == 200
-    assert n_ckpt == 1  # only torch's 0-byte device marker; nothing from inside the function
+    # torch's 0-byte device marker and the inputs x, a (under saved-tensor hooks they go to the
+    # hooks, NOTE [Regions inside regions]); nothing from inside the function
+    assert n_ckpt == 3
     assert bytes_plain >= 100 * 4000  # every intermediate kept
     assert bytes_ckpt <= 2 * 4000  # the output (and the 0-size device marker)
     out_ckpt.sum().backward()

@@ -10,6 +10,7 @@ import torch
 import remat
 from remat.core._state import capture
 from remat.planning._solve import chain_of, solve
+from remat.planning.plan import PLAN_SCHEMA
 from remat.planning._synthetic import synthetic_profile
 from remat.zoo import build
 

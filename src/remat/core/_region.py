@@ -238,6 +238,26 @@ class Region:
                 "on: run the step again."
             )
 
+    # -- nested regions (NOTE [Regions inside regions] in remat.core.checkpoint) --
+    def release_inputs(self) -> None:
+        """Drop the references to the input tensors (torch holds them through the enclosing hooks)."""
+        leaves, self._spec = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
+        self._slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        for i in self._slots:
+            key = storage_key(leaves[i])
+            if key not in self.before:
+                self.watched.pop(key, None)
+            leaves[i] = None
+        self._leaves = leaves
+        self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
+
+    def restore_inputs(self, tensors: tuple) -> None:
+        """Put back the inputs torch unpacked for a recomputation."""
+        leaves = list(self._leaves)
+        for i, t in zip(self._slots, tensors):
+            leaves[i] = t
+        self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
+
     # -- recompute -----------------------------------------------------------
     def recompute_inputs(self) -> tuple[tuple, dict]:
         from remat.errors import RematError

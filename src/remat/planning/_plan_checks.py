@@ -56,6 +56,11 @@ def check_plan_fields(data: dict[str, Any]) -> None:
         raise _field_error("notes", notes, "a list of strings")
     if data.get("execution", "eager") not in ("eager", "compiled"):
         raise _field_error("execution", data["execution"], '"eager" or "compiled"')
+    segments = data.get("segments", [])
+    if not isinstance(segments, (list, tuple)) or not all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)
+            for pair in segments):
+        raise _field_error("segments", segments, 'a list of [first block, last block] pairs, e.g. [["0", "3"]]')
     assignment = data["assignment"]
     if not isinstance(assignment, dict):
         raise _field_error("assignment", assignment, 'an object of block name -> policy, e.g. {"layers.0": "full"}')

@@ -42,6 +42,7 @@ class Chain:
     start: int  # L0: resting bytes plus the forward glue before the first block
     pre_peak: int  # most live during that glue
     extra_s: np.ndarray  # [n, P]
+    bwd_delta: np.ndarray | None = None  # [n, P] block's backward delta (nested plans, planning/_nested.py)
 
 
 class _Casts:
@@ -120,7 +121,7 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
     by_name = {b.name: b for b in profile.blocks}
     extra = np.array([[by_name[b].extra_time_s[p] for p in pols] for b in fwd_blocks])
     return Chain(fwd_blocks, pols, fwd_delta, fwd_peak, bwd_peak, after, post_delta, post_peak,
-                 profile.resting_bytes + live, profile.resting_bytes + top, extra)
+                 profile.resting_bytes + live, profile.resting_bytes + top, extra, bwd_delta)
 
 
 def _grid(chain: Chain) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from torch import nn
 from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._hf import disable_cache, restore_cache
+from remat.core._segment import schedule_segments, unschedule
 from remat.core._state import capture
 from remat.core._user_errors import model_errors, require_module
 from remat.core.checkpoint import is_wrapped, unwrap, wrap
@@ -72,6 +73,8 @@ def _put(model: nn.Module, plan: Plan) -> None:
     check_plan_fits(model, plan)
     modules = dict(model.named_modules())
     check_no_double_checkpointing(model, plan.checkpointed, api="remat.apply")
+    for module in model.modules():
+        unschedule(module)
     done: list[nn.Module] = []
     try:
         for name, policy in plan.assignment.items():
@@ -80,6 +83,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
                 done.append(modules[name])
             elif is_wrapped(modules[name]):
                 unwrap(modules[name])
+        schedule_segments(model, list(plan.assignment), plan.segments)
     except Exception:
         for module in done:
             unwrap(module)
@@ -91,6 +95,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
 def remove(model: nn.Module) -> nn.Module:
     """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
     for module in eager_module(model).modules():
+        unschedule(module)
         unwrap(module)
     restore_cache(model)
     return model

@@ -11,6 +11,7 @@ from typing import Any
 
 from remat.errors import RematError
 from remat.planning._plan_checks import check_plan_fields
+from remat.planning._nested import nested_floor, plan_nested
 from remat.planning._solve import cast_credits, chain_of, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
@@ -18,7 +19,7 @@ from remat.profiling._types import Profile
 __all__ = ["Plan", "parse_budget", "plan"]
 
 PLAN_SCHEMA = 3
-_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters and execution
+_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters, execution and segments
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _ACCEPTED = ("a fraction 0 < f <= 1 of the peak without checkpointing (0.5, '0.5', '50%'), bytes with a unit "
@@ -57,6 +58,9 @@ class Plan:
     (None: not recorded, in plans saved before remat recorded it)."""
     execution: str = "eager"
     """What the plan's budget was verified for: ``eager`` or ``compiled`` (``remat.auto(..., compiled=...)``)."""
+    segments: tuple[tuple[str, str], ...] = ()
+    """Nested plans: runs of consecutive blocks (first, last) checkpointed as one region, recomputed in
+    backward with the blocks' own policies inside; ranges nest or are disjoint (``remat.planning._nested``)."""
 
     @property
     def verified(self) -> bool:
@@ -109,7 +113,8 @@ class Plan:
                 f"{sorted(required - set(data))}, unknown {sorted(set(data) - fields)}."
             )
         check_plan_fields(data)
-        return cls(**{**data, "notes": tuple(data.get("notes", ()))})
+        segments = tuple(tuple(pair) for pair in data.get("segments", ()))
+        return cls(**{**data, "notes": tuple(data.get("notes", ())), "segments": segments})
 
 
 #: Unitless numbers from here up are bytes; below, only fractions 0 < f <= 1 are read (NOTE [One budget rule]).
@@ -295,7 +300,7 @@ def _solve_fitting(profile: Profile, chain: Any, limit: int) -> dict[str, str] |
     return _greedy(profile, limit)
 
 
-def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> Plan:
+def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nested: bool = True) -> Plan:
     """The plan of least predicted extra time whose predicted peak fits ``budget``.
 
     Args:
@@ -306,6 +311,8 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
         strategy: ``"optimal"`` (needs a budget), or a hand-made choice to compare
             on the same footing: ``"none"``, ``"all"`` (full recompute everywhere),
             ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.
+        nested: below the lowest peak of one policy per block, checkpoint runs of blocks as nested
+            segments (``Plan.segments``; blocks called as a chain, ``remat.planning._nested``).
 
     For a chain of blocks the solver is a dynamic program that is exact up to a
     rounding of live bytes to 1/32768 of their range, always on the safe
@@ -321,6 +328,12 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
         raise RematError("remat.plan: the optimal strategy needs a budget; give " + _ACCEPTED + ".")
     baseline = profile.baseline_peak_bytes
     limit = parse_budget(budget, baseline)
+    if limit < minimum and nested:
+        found = _nested(profile, limit, minimum)
+        if found is not None:
+            return found
+        floor = nested_floor(profile)
+        minimum = min(minimum, floor[0]) if floor is not None else minimum
     if limit < minimum:
         raise RematError(
             f"remat.plan: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the baseline) is "
@@ -338,3 +351,24 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal") -> 
         # lowest-peak plan fits them by definition.
         assignment = lowest
     return _make(profile, assignment, "optimal", limit, minimum)
+
+
+def _nested(profile: Profile, limit: int, one_level_minimum: int) -> Plan | None:
+    """The fastest nested plan within ``limit`` (None: none fits)."""
+    found = plan_nested(profile, limit)
+    if found is None:
+        return None
+    assignment, segments, peak, extra = found
+    floor = nested_floor(profile)
+    return Plan(
+        assignment={b.name: assignment.get(b.name, "keep") for b in profile.blocks},
+        predicted_peak_bytes=peak,
+        predicted_overhead=extra / profile.step_time_s if profile.step_time_s > 0 else 0.0,
+        baseline_peak_bytes=profile.baseline_peak_bytes,
+        min_peak_bytes=min(one_level_minimum, floor[0]) if floor is not None else one_level_minimum,
+        budget_bytes=limit,
+        strategy="optimal",
+        model=profile.model,
+        training=profile.training,
+        segments=segments,
+    )

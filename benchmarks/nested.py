@@ -1,0 +1,90 @@
+"""The memory-time curve of remat's plans down to the nested floor (issue #19).
+
+Per budget (a fraction of the un-checkpointed peak): measured peak, predicted peak, the
+error, the number of nested segments, and the step-time ratio against no checkpointing
+(median of interleaved rounds, with the min-max range). Budgets run from 1.0 down to the
+nested floor, with the one-level floor and the every-block-full point among them. Run:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+from remat.planning._nested import nested_floor
+
+
+def conv_chain(channels: int = 64, blocks: int = 8) -> nn.Sequential:
+    """Issue #19's chain: a stem and ``blocks`` conv-BN-ReLU blocks."""
+    layers: list[nn.Module] = [nn.Conv2d(3, channels, 3, padding=1)]
+    for _ in range(blocks):
+        layers.append(nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()))
+    return nn.Sequential(*layers)
+
+
+def _setup(name: str) -> tuple[str, nn.Module, Any]:
+    if name == "conv":
+        torch.manual_seed(0)
+        return "conv chain (stem + 8 conv-BN-ReLU, 64 ch, 64x64, batch 8)", conv_chain(), torch.randn(8, 3, 64, 64)
+    from remat.zoo import build
+
+    zoo = build(name)
+    return f"zoo {name} (defaults)", zoo.model, zoo.inputs
+
+
+def _step_time(model: nn.Module, inputs: Any, plan: remat.Plan | None) -> float:
+    remat.remove(model)
+    if plan is not None:
+        remat.apply(model, plan)
+    return remat.measure(model, inputs, repeat=1, warmup=0).step_time_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="conv")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    title, model, inputs = _setup(args.model)
+    prof = remat.profile(model, inputs)
+    base = prof.baseline_peak_bytes
+    one_level = remat.plan(prof, strategy="none").min_peak_bytes
+    all_full = prof.predict_peak({b.name: "full" for b in prof.blocks})
+    floor = nested_floor(prof)
+    lowest = floor[0] if floor is not None else one_level
+    print(f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks. Peak without "
+          f"checkpointing {base / 2**20:.1f} MiB; every block full {all_full / base:.3f}; one-level floor "
+          f"{one_level / base:.3f}; nested floor {lowest / base:.3f}")
+    marks = {1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, all_full / base, one_level / base, (lowest + 1) / base}
+    fractions = sorted((f for f in marks if f * base >= lowest), reverse=True)
+    rows = []
+    for f in fractions:
+        plan = remat.plan(prof, int(f * base))
+        remat.remove(model)
+        remat.apply(model, plan)
+        measured = remat.measure(model, inputs, repeat=1, warmup=1).peak_bytes
+        rows.append((f, plan, measured))
+    times: list[list[float]] = [[] for _ in range(len(rows) + 1)]
+    for _ in range(args.rounds):  # interleaved: each round times every plan once
+        for i, plan in enumerate([None] + [r[1] for r in rows]):
+            times[i].append(_step_time(model, inputs, plan))
+    remat.remove(model)
+    print("| budget | measured MiB (of peak) | predicted MiB | error | segments | time ratio: median (min-max) |")
+    print("|---|---|---|---|---|---|")
+    ref = statistics.median(times[0])
+    for (f, plan, measured), t in zip(rows, times[1:]):
+        ratios = [a / b for a, b in zip(t, times[0])]
+        print(f"| {f:.3f} | {measured / 2**20:.1f} ({measured / base:.3f}) | {plan.predicted_peak_bytes / 2**20:.1f} | "
+              f"{(plan.predicted_peak_bytes - measured) / measured:+.2%} | {len(plan.segments)} | "
+              f"{statistics.median(t) / ref:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Nested checkpoint regions over runs of consecutive blocks (nested plans, issue #19).
+
+NOTE [How a run of blocks becomes one region]
+A nested plan checkpoints a run of consecutive blocks as one segment: only the
+segment's input is kept in forward, and in backward the segment is recomputed with
+its own plan inside (blocks kept, checkpointed, or sub-segments), which is the shape
+of rotor's / Griewank's optimal chain schedules. A segment needs one callable that
+runs several sibling blocks, but the parent calls them one by one (``nn.Sequential``,
+or a ``ModuleList`` looped over in the parent's forward, as Hugging Face models do).
+So the segment's first block gets an instance-level ``forward`` (names and
+``state_dict`` keys unchanged, as for ``remat.wrap``) that runs the whole segment as
+one ``remat.checkpoint`` region, nested ones inside (NOTE [Regions inside regions] in
+``remat.core.checkpoint``), calling every block with the first block's other
+arguments and feeding each output to the next; the segment's other blocks return,
+when the parent calls them, the segment's output they are given. That holds only
+for a chain: each such call must receive exactly that output and the same other
+arguments, or it raises a RematError (before anything else uses the result).
+Forward hooks of those blocks see the segment's output; their submodules' hooks run
+as usual.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core.checkpoint import checkpoint
+from remat.errors import RematError
+
+__all__ = ["schedule_segments", "unschedule"]
+
+
+def _compute(module: nn.Module) -> Any:
+    """What the block computes: its forward under its own policy (``remat.wrap``) or its class's forward."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, (_Head, _Skip)):
+        return current.own
+    return current if current is not None else type(module).forward.__get__(module)
+
+
+class _Run:
+    """Runs items (blocks, nested segments) as a chain; one persistent object per segment, so that remat's
+    checkpoint remembers what its first forward wrote (NOTE [Watching only when needed])."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        for item in self.items[:-1]:
+            x = checkpoint(item, x, *rest, **kwargs) if isinstance(item, _Run) else item(x, *rest, **kwargs)
+            if not isinstance(x, torch.Tensor):
+                raise RematError(
+                    f"remat.apply: a block inside a nested segment returned a {type(x).__name__}, not a tensor; "
+                    "remat runs a segment only where each block's output is the next block's input (a chain), "
+                    "and cannot tell what the parent takes from it (T5's blocks return the hidden states with "
+                    "the position bias). Plan with remat.plan(profile, budget, nested=False) for this model."
+                )
+        last = self.items[-1]
+        return checkpoint(last, x, *rest, **kwargs) if isinstance(last, _Run) else last(x, *rest, **kwargs)
+
+
+class _Head:
+    """Instance-level ``forward`` of a segment's first block: runs the segment as one region."""
+
+    def __init__(self, module: nn.Module, run: _Run, names: list[str]) -> None:
+        self.own = _compute(module)
+        self.previous = module.__dict__.get("forward")
+        self.run = run
+        self.names = names
+        self.last: tuple[Any, tuple, dict] | None = None
+
+    def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        out = checkpoint(self.run, x, *rest, **kwargs)
+        try:
+            ref: Any = weakref.ref(out)
+        except TypeError:
+            ref = lambda: out  # noqa: E731 (not weakly referenceable: a tuple)
+        self.last = (ref, rest, kwargs)
+        return out
+
+
+class _Skip:
+    """Instance-level ``forward`` of a segment's later blocks: their work was done by the segment's head."""
+
+    def __init__(self, module: nn.Module, head: _Head, name: str) -> None:
+        self.own = _compute(module)
+        self.previous = module.__dict__.get("forward")
+        self.head = head
+        self.name = name
+
+    def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+        last = self.head.last
+        same = last is not None and x is last[0]() and len(rest) == len(last[1]) and kwargs.keys() == last[2].keys()
+        same = same and all(a is b for a, b in zip(rest, last[1])) and all(kwargs[k] is last[2][k] for k in kwargs)
+        if not same:
+            raise RematError(
+                f"remat.apply: block {self.name} sits in a nested segment {self.head.names[0]}..{self.head.names[-1]} "
+                "but its parent did not call it with the previous block's output and the same other arguments, "
+                "so the blocks are not a chain remat can run as one region. Plan with "
+                "remat.plan(profile, budget, nested=False) for this model."
+            )
+        return x
+
+
+def _items(modules: list[nn.Module], spans: list[tuple[int, int]], lo: int, hi: int) -> list[Any]:
+    """Blocks lo..hi (inclusive) as items; spans (laminar, sorted by start then longest first) as nested runs."""
+    items, i = [], lo
+    while i <= hi:
+        inner = [(a, b) for a, b in spans if a == i and b <= hi and (a, b) != (lo, hi)]
+        if inner:
+            a, b = inner[0]
+            items.append(_Run(_items(modules, spans, a, b)))
+            i = b + 1
+        else:
+            items.append(_compute(modules[i]))
+            i += 1
+    return items
+
+
+def schedule_segments(model: nn.Module, order: Sequence[str], segments: Sequence[tuple[str, str]]) -> None:
+    """Run each (first block, last block) range of ``segments`` (blocks in chain ``order``) as one region."""
+    if not segments:
+        return
+    index = {n: i for i, n in enumerate(order)}
+    unknown = sorted({n for seg in segments for n in seg} - set(index))
+    if unknown:
+        raise RematError(f"remat.apply: segments name {unknown}, which are not blocks of the plan.")
+    spans = sorted(((index[a], index[b]) for a, b in segments), key=lambda s: (s[0], -s[1]))
+    for (a1, b1), (a2, b2) in zip(spans, spans[1:]):
+        if a1 >= b1 or a2 >= b2 or a2 <= b1 < b2:
+            raise RematError(f"remat.apply: nested segments must be ranges of two or more blocks that nest or do "
+                             f"not overlap; got {list(segments)}.")
+    named = dict(model.named_modules())
+    modules = [named[n] for n in order]
+    outer = [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
+    heads = []
+    for a, b in outer:
+        head = _Head(modules[a], _Run(_items(modules, spans, a, b)), list(order[a:b + 1]))
+        heads.append((modules[a], head, [(modules[k], _Skip(modules[k], head, order[k])) for k in range(a + 1, b + 1)]))
+    for module, head, skips in heads:  # everything built: now install, all at once
+        module.forward = head
+        for skipped, skip in skips:
+            skipped.forward = skip
+
+
+def unschedule(module: nn.Module) -> None:
+    """Undo :func:`schedule_segments` on ``module`` (no-op when it is not in a segment)."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, (_Head, _Skip)):
+        if current.previous is None:
+            del module.forward
+        else:
+            module.forward = current.previous

@@ -1,0 +1,227 @@
+"""Nested plans (issue #19): segments of blocks checkpointed as one region with a plan inside."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.planning._nested import Costs, Node, extra_time, simulate, solve_nested
+from remat.planning._solve import Chain
+
+
+def conv_chain(channels: int = 8, n: int = 6) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(3, channels, 3, padding=1)]
+    for _ in range(n):
+        layers.append(nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
+                                    nn.ReLU(), nn.Dropout(0.1)))
+    return nn.Sequential(*layers)
+
+
+def _step(model: nn.Module, x: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def chain_and_profile():
+    torch.manual_seed(0)
+    model = conv_chain()
+    x = torch.randn(2, 3, 16, 16)
+    return model, x, remat.profile(model, x)
+
+
+def test_nested_plan_goes_below_the_one_level_floor(chain_and_profile):
+    model, x, prof = chain_and_profile
+    one_level = remat.plan(prof, strategy="none").min_peak_bytes
+    budget = int(one_level * 0.85)
+    with pytest.raises(remat.RematError, match="below the lowest peak"):
+        remat.plan(prof, budget, nested=False)
+    plan = remat.plan(prof, budget)
+    assert plan.segments and plan.predicted_peak_bytes <= budget
+    assert plan.min_peak_bytes < one_level
+
+
+def test_nested_plan_gradients_buffers_and_memory_match(chain_and_profile):
+    model, x, prof = chain_and_profile
+    torch.use_deterministic_algorithms(True)
+    try:
+        plain = conv_chain()
+        plain.load_state_dict(model.state_dict())
+        ref_out, ref_grads = _step(plain, x)
+        keys = list(model.state_dict())
+        plan = remat.plan(prof, int(remat.plan(prof, strategy="none").min_peak_bytes * 0.85))
+        twin = conv_chain()
+        twin.load_state_dict(model.state_dict())
+        calls = []
+        twin[1][0].register_forward_hook(lambda *a: calls.append(1))
+        remat.apply(twin, plan)
+        out, grads = _step(twin, x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(out, ref_out)
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    assert len(calls) >= 2  # block 1 sits in a segment: recomputed in backward
+    for name, buf in plain.named_buffers():  # BatchNorm updated once
+        assert torch.equal(buf, dict(twin.named_buffers())[name]), name
+    assert list(twin.state_dict()) == keys
+    measured = remat.measure(twin, x, repeat=1, warmup=1).peak_bytes
+    assert measured <= plan.budget_bytes
+    # Off by the region's copies of BatchNorm buffers (136 bytes a segment here): within 1%.
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured
+    remat.remove(twin)
+    assert "forward" not in twin.__dict__ and not any("forward" in m.__dict__ for m in twin.modules())
+
+
+def test_plan_json_keeps_segments_and_reads_schema_2(chain_and_profile):
+    _, _, prof = chain_and_profile
+    plan = remat.plan(prof, int(remat.plan(prof, strategy="none").min_peak_bytes * 0.85))
+    assert remat.Plan.from_json(plan.to_json()) == plan
+    old = json.loads(plan.to_json())
+    old["schema"] = 2
+    del old["segments"]
+    assert remat.Plan.from_json(json.dumps(old)).segments == ()
+
+
+class _Loop(nn.Module):
+    """Blocks in a ModuleList, called in the parent's loop with a shared extra argument (as Hugging Face does)."""
+
+    def __init__(self, residual_in_parent: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Gated() for _ in range(4))
+        self.residual_in_parent = residual_in_parent
+
+    def forward(self, x):
+        gate = x.mean(dim=0).sigmoid()
+        for layer in self.layers:
+            x = layer(x, gate=gate) + x if self.residual_in_parent else layer(x, gate=gate)
+        return x
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(16, 16), nn.Dropout(0.2)
+
+    def forward(self, x, gate):
+        return self.drop(self.lin(x).tanh() * gate)
+
+
+def _loop_plan(segments):
+    names = [f"layers.{i}" for i in range(4)]
+    return remat.Plan({n: "keep" for n in names} | {"layers.3": "full", "layers.1": "full"}, 1, 0.0, 1, 1, None,
+                      "optimal", "_Loop", segments=segments)
+
+
+def test_segments_over_a_module_list_loop_match_gradients():
+    torch.manual_seed(0)
+    ref = _Loop()
+    model = _Loop()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(8, 16)
+    ref_out, ref_grads = _step(ref, x)
+    remat.apply(model, _loop_plan((("layers.0", "layers.3"), ("layers.0", "layers.1"))))
+    out, grads = _step(model, x)
+    assert torch.equal(out, ref_out)  # dropout replayed in every recomputation
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    remat.remove(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_parent_that_does_not_chain_its_blocks_is_refused():
+    model = _Loop(residual_in_parent=True)
+    remat.apply(model, _loop_plan((("layers.0", "layers.1"),)))
+    with pytest.raises(remat.RematError, match="not a chain"):
+        model(torch.randn(8, 16))
+    remat.remove(model)
+    with pytest.raises(remat.RematError, match="two or more blocks"):
+        remat.apply(model, _loop_plan((("layers.0", "layers.2"), ("layers.1", "layers.3"))))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_nested_plans_on_the_zoo_are_exact(name):
+    from remat.planning._nested import costs_of, simulate, to_plan
+    from remat.zoo import build
+
+    sizes = dict(layers=4, hidden=64, heads=4, vocab=256, batch=2, seq=32)
+    zoo = build(name, **sizes, **({"intermediate": 128} if name == "llama" else {}))
+    prof = remat.profile(zoo.model, zoo.inputs)
+    c = costs_of(prof)
+    keep, full = c.chain.policies.index("keep"), c.full
+    nodes = (Node(0, end=4, children=(Node(0, end=2, children=(Node(0, keep),)), Node(2, keep))),)
+    assignment, segments = to_plan(c, nodes)
+    plan = remat.Plan({b.name: assignment[b.name] for b in prof.blocks}, simulate(c, nodes), 0.0,
+                      prof.baseline_peak_bytes, 0, None, "optimal", type(zoo.model).__name__, segments=segments)
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch.manual_seed(0)
+        zoo.model(**zoo.inputs).loss.backward()
+        ref = {n: p.grad.clone() for n, p in zoo.model.named_parameters()}
+        zoo.model.zero_grad(set_to_none=True)
+        remat.apply(zoo.model, plan)
+        torch.manual_seed(0)
+        zoo.model(**zoo.inputs).loss.backward()
+        assert all(torch.equal(p.grad, ref[n]) for n, p in zoo.model.named_parameters())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    measured = remat.measure(zoo.model, zoo.inputs, repeat=1, warmup=1).peak_bytes
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured
+    assert plan.predicted_peak_bytes < prof.baseline_peak_bytes
+
+
+# -- the DP against brute force ------------------------------------------------------------------
+
+
+def _synthetic(n: int, seed: int) -> Costs:
+    rng = np.random.default_rng(seed)
+    out = rng.integers(50, 150, n)
+    act = rng.integers(100, 400, n)
+    grads = rng.integers(0, 30, n)
+    prev = np.concatenate([[0], out[:-1]])
+    # policies: keep (index 0), full (index 1)
+    fwd_delta = np.stack([out + act, out], axis=1)
+    fwd_peak = np.stack([out + act + rng.integers(0, 50, n), out + act // 2], axis=1)
+    bwd_delta = np.stack([-(act + prev) + grads, -prev + grads], axis=1)
+    bwd_peak = np.stack([out + rng.integers(0, 40, n), out + act + rng.integers(0, 40, n)], axis=1)
+    extra = np.stack([np.zeros(n), rng.uniform(1, 2, n)], axis=1)
+    chain = Chain([str(i) for i in range(n)], ["keep", "full"], fwd_delta, fwd_peak, bwd_peak,
+                  np.zeros(n, np.int64), np.array([20, 20]), np.array([40, 40]), 1000, 1000, extra, bwd_delta)
+    return Costs(chain, out, rng.uniform(0.5, 1.0, n), 1)
+
+
+def _all_plans(s: int, stop: int, inside: bool) -> list[tuple[Node, ...]]:
+    """Every nested plan of blocks s..stop-1 (segments end before ``stop``)."""
+    if s == stop:
+        return [()]
+    plans = [(Node(s, j), *rest) for j in (0, 1) for rest in _all_plans(s + 1, stop, inside)]
+    for k in range(s + 2, stop + 1):
+        for children in _all_plans(s, k - 1, True):
+            plans += [(Node(s, end=k, children=children), *rest) for rest in _all_plans(k, stop, inside)]
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_nested_dp_is_optimal_against_brute_force(seed):
+    c = _synthetic(5, seed)
+    plans = _all_plans(0, 5, False)
+    peaks = [simulate(c, p) for p in plans]
+    for budget in np.linspace(min(peaks), max(peaks), 7).astype(int):
+        fits = [extra_time(c, p) for p, peak in zip(plans, peaks) if peak <= budget]
+        found = solve_nested(c, int(budget))
+        if found is not None:  # every plan it returns fits, and none that fits is faster
+            assert simulate(c, found[0]) <= budget
+            assert found[1] >= min(fits) - 1e-9
+        # rounding costs at most one grid cell per block and per segment level
+        slack = solve_nested(c, int(budget * 1.05) + 1)
+        if fits:
+            assert slack is not None and slack[1] <= min(fits) + 1e-9
+        assert math.isfinite(found[1]) if found is not None else True
