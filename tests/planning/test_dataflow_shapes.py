@@ -12,9 +12,8 @@ measured for models whose blocks are not a chain:
   never returned by the block (how transformers collects Mixtral's router logits):
   a storage made inside a block and freed outside it.
 
-The promise: never under-predicted, and exact within 0.5% where no recomputation runs
-outside its block's backward (none of these has an auxiliary loss reaching into a
-block's graph).
+The promise: never under-predicted, and exact within 0.5%; also for a tensor shared by
+every block beside a block whose auxiliary output reaches into its graph early.
 """
 
 from __future__ import annotations
@@ -212,22 +211,19 @@ class _AuxBlock(nn.Module):
         return y, (y.pow(2).mean() if self.aux else 0.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (issue #21): with an aux output, a block's early recomputation inside another segment also changes "
-    "what that segment frees after it (the recomputed output the aux backward uses): the walk subtracts the "
-    "whole recomputation when the block is kept, 8192 B too much here ('fks' -2.1%; on main before the ledger "
-    "of made storages too). remat.auto's verification measures and re-plans."
-))
-def test_a_shared_tensor_beside_an_aux_output_is_never_under_predicted():
+def test_a_shared_tensor_beside_an_aux_output_is_predicted_exactly():
+    # The aux term's backward recomputes the middle block early, inside the next block's backward, and
+    # frees what it rebuilt there again: replayed at its position with those frees (NOTE [Where a
+    # recomputation runs]); once 'fks' was under by 8192 B (-2.1%) and mixes over by up to 18%.
     torch.manual_seed(0)
     model = _SharedAux()
     blocks = [n for n, m in model.named_modules() if isinstance(m, _AuxBlock)]
     x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(1))
     prof = remat.profile(model, x, blocks=blocks, repeat=1, warmup=0)
-    under = []
+    bad = []
     for pick in itertools.product(POLICIES, repeat=len(blocks)):
         assignment = dict(zip(blocks, pick))
         predicted, measured = prof.predict_peak(assignment), _measured(model, x, assignment)
-        if measured > predicted:
-            under.append(f"{''.join(p[0] for p in pick)}: {measured - predicted:+d} B")
-    assert not under, "; ".join(under)
+        if not measured <= predicted <= measured * (1 + TOLERANCE):
+            bad.append(f"{''.join(p[0] for p in pick)}: predicted {predicted}, measured {measured}")
+    assert not bad, "; ".join(bad)

@@ -120,18 +120,25 @@ class Recompute:
     """Per policy: live bytes after it minus before (what it rebuilt and keeps for the block's backward)."""
     excess: dict[str, int]
     """Per policy: most live bytes during it above its start."""
+    freed_after: dict[str, int] = field(default_factory=dict)
+    """Per policy: bytes it rebuilt that the hosting segment frees again after it (an aux backward's use)."""
     swap: dict[str, dict[str, int]] = field(default_factory=dict)
     """Where it runs outside its block's backward: the excess of the segment hosting it, taken from the run of
     policy q, when the block's policy is m instead (swap[q][m]); empty where not known (NOTE below)."""
 
     def to_json(self) -> dict:
         return {"block": self.block, "index": self.index, "at": {p: list(k) for p, k in self.at.items()},
-                "delta": self.delta, "excess": self.excess, "swap": self.swap}
+                "delta": self.delta, "excess": self.excess, "freed_after": self.freed_after, "swap": self.swap}
+
+    def kept(self, policy: str) -> int:
+        """What it adds to the live bytes at the end of its hosting segment under ``policy`` (0: not run)."""
+        return self.delta.get(policy, 0) - self.freed_after.get(policy, 0)
 
     @classmethod
     def from_json(cls, data: dict) -> Recompute:
         return cls(data["block"], int(data["index"]), {p: tuple(k) for p, k in data["at"].items()},
                    {p: int(v) for p, v in data["delta"].items()}, {p: int(v) for p, v in data["excess"].items()},
+                   {p: int(v) for p, v in data.get("freed_after", {}).items()},
                    {q: {m: int(v) for m, v in row.items()} for q, row in data.get("swap", {}).items()})
 
 
@@ -144,28 +151,37 @@ class Recompute:
 # segment's live bytes after every op (a trajectory) with that count; for a block
 # recomputed outside its own backward, the profile replays the hosting segment of each
 # run q with the block's recomputation taken out and the one of policy m put in at its
-# position, and keeps the segment's excess for every (q, m). Done where one such block
-# is recomputed in the segment (two would interact); elsewhere the safe charge stays.
+# position, and keeps the segment's excess for every (q, m). What a recomputation rebuilt
+# can be freed again later in the same segment (the aux backward used it and let go):
+# those frees go with it, out of q's replay and into m's, and the walk moves only what
+# it leaves live at the segment's end (``Recompute.kept``; measured: 8192 B under on a
+# shared-tensor model with an aux output before). Done where one such block is
+# recomputed in the segment (two would interact); elsewhere the safe charge stays.
 Trajectory = list[tuple[int, int, int]]
 
 
-def _replayed(points: Trajectory, removed: tuple[tuple[int, int], int] | None,
-              inserted: tuple[int, int, int] | None) -> int:
-    """Most live bytes above the segment start once ``removed`` ((span), delta) is taken out of ``points``
-    and ``inserted`` (position, delta, excess) put in."""
+def _replayed(points: Trajectory, removed: tuple | None, inserted: tuple | None) -> int:
+    """Most live bytes above the segment start once ``removed`` ((span), delta, frees by index) is taken out
+    of ``points`` and ``inserted`` (position, delta, excess, frees by position) put in."""
     if removed is not None:
-        (start, end), delta = removed
-        points = points[:start] + [(n, live - delta, top - delta) for n, live, top in points[end:]]
+        (start, end), delta, frees = removed
+
+        def back(i: int) -> int:  # what the segment freed again of what it rebuilt, up to point i
+            return sum(nb for at, _, nb in frees if at <= i) - delta
+
+        points = points[:start] + [(n, live + back(i), top + back(i))
+                                   for i, (n, live, top) in enumerate(points) if i >= end]
     top = max((t for _, _, t in points), default=0)
     if inserted is None:
         return max(top, 0)
-    at, delta, excess = inserted
+    at, delta, excess, frees = inserted
     # It began after the at-th allocating op, somewhere among the ops that allocate nothing after it (views,
-    # in-place ops, frees in between): on the safe side, at the most live of them, all of them after it.
+    # in-place ops, frees in between): on the safe side, at the most live of them, all of them after it;
+    # its rebuilt storages freed again count only from the next allocating op on.
     cut = next((i for i, (n, _, _) in enumerate(points) if n >= at), len(points))
     window = [live for n, live, _ in points[cut:] if n == at] or [points[cut - 1][1] if cut else 0]
     before = max((t for _, _, t in points[:cut]), default=0)
-    after = max((t + delta for _, _, t in points[cut:]), default=0)
+    after = max((t + delta - sum(nb for _, n_f, nb in frees if n > n_f) for n, _, t in points[cut:]), default=0)
     return max(before, max(window) + excess, after, 0)
 
 
@@ -185,13 +201,13 @@ def swap_excesses(
     out: dict[str, dict[str, int]] = {}
     for q, by_key in trajectories.items():
         mine = runs.get(q)
-        removed = (tuple(mine["span"]), mine["delta"]) if mine else None
+        removed = (tuple(mine["span"]), mine["delta"], mine.get("frees", [])) if mine else None
         row = out[q] = {}
         for m in trajectories:
             if m == q:
                 continue
             theirs = runs.get(m)
-            inserted = (theirs["allocs"], theirs["delta"], theirs["excess"]) if theirs else None
+            inserted = (theirs["allocs"], theirs["delta"], theirs["excess"], theirs.get("frees", [])) if theirs else None
             row[m] = _replayed(by_key[host], removed, inserted)
     return out
 
@@ -235,10 +251,10 @@ def corrections(
                 continue
             taken_from = steps[i][1]
             if taken_from == policy and policy != mine:  # the run recomputed it here, the assignment does not
-                out.setdefault(i, [0, 0, 0])[0] -= r.delta[policy]
+                out.setdefault(i, [0, 0, 0])[0] -= r.kept(policy)
             elif policy == mine and taken_from != mine:  # the assignment recomputes it here, that run did not
                 entry = out.setdefault(i, [0, 0, 0])
-                entry[0] += r.delta[policy]
+                entry[0] += r.kept(policy)
                 entry[2] += max(r.excess[policy], 0)
     return {i: (d, e, x, base) for i, (d, e, x, *rest) in out.items() for base in [rest[0] if rest else None]}
 
@@ -254,7 +270,7 @@ def _swapped(r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequen
     if taken_from == mine:
         return True
     entry = out.setdefault(i, [0, 0, 0])
-    entry[0] += r.delta.get(mine, 0) - r.delta.get(taken_from, 0)
+    entry[0] += r.kept(mine) - r.kept(taken_from)
     if len(entry) == 4:  # a second swap in one segment: the tables do not compose, keep the larger
         entry[3] = max(entry[3], r.swap[taken_from][mine])
     else:

@@ -307,6 +307,7 @@ def _recomputes(per_policy: dict[str, dict[tuple, dict]], trajectories: dict[str
             at={p: r["segment"] for p, r in ran.items()},
             delta={p: r["delta"] for p, r in ran.items()},
             excess={p: r["excess"] for p, r in ran.items()},
+            freed_after={p: sum(nb for _, _, nb in r.get("frees", ())) for p, r in ran.items()},
             swap=swap_excesses(block, ran, trajectories, crowded) if trajectories else {},
         ))
     return out

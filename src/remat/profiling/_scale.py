@@ -68,6 +68,7 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
     crossings = [replace(c, nbytes=nbytes(c.nbytes, d.nbytes), after=per_policy(c.after, d.after))
                  for c, d in zip(p1.crossings, p2.crossings)]
     recomputes = [replace(r, delta=per_policy(r.delta, s.delta), excess=per_policy(r.excess, s.excess),
+                          freed_after=per_policy(r.freed_after, s.freed_after),
                           swap=_scaled_swap(r.swap, s.swap, nbytes))
                   for r, s in zip(p1.recomputes, p2.recomputes)]
     return replace(

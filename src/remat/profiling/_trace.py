@@ -154,6 +154,8 @@ class SegmentRecorder:
         start (NOTE [Where a recomputation runs] in remat.profiling._crossing); with a tracker only."""
         self._trajectory: list[tuple[int, int, int]] | None = None
         self._allocs, self._made_seen = 0, 0
+        self._rebuilt: dict[int, dict[str, Any]] = {}
+        """Storages a recomputation made, still live after it, by key -> its record (freed later in the segment?)."""
         self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
         self._casts: dict[int, Segment] = {}
         if tracker is not None:
@@ -181,6 +183,7 @@ class SegmentRecorder:
         self._current = None
         self._trajectory = None
         self._freed_here = []
+        self._rebuilt = {}
 
     @staticmethod
     def _top(seg: Segment, live: int) -> None:
@@ -192,6 +195,9 @@ class SegmentRecorder:
     def _on_free(self, key: int, nbytes: int) -> None:
         self._cast_freed(key, nbytes)
         self._crossing_freed(key)
+        record = self._rebuilt.pop(key, None)
+        if record is not None:  # NOTE [Where a recomputation runs]: what it rebuilt and the segment frees again
+            record["frees"].append((len(self._trajectory or ()), self._allocs, nbytes))
 
     def _cast_freed(self, key: int, nbytes: int) -> None:
         made = self._casts.pop(key, None)
@@ -349,7 +355,8 @@ class SegmentRecorder:
     def _on_recompute_start(self, owner: nn.Module | None) -> None:
         live = self._live()
         span = len(self._trajectory) if self._trajectory is not None else None
-        self._recomputing = [self._names.get(id(owner)), live, live, span, self._allocs]
+        self._recomputing = [self._names.get(id(owner)), live, live, span, self._allocs,
+                             set(self.tracker.live) if self.tracker is not None else set()]
 
     def _on_recompute(self, start: Any, end: Any) -> None:
         if self._current is not None:
@@ -357,11 +364,13 @@ class SegmentRecorder:
         event, self._recomputing = self._recomputing, None
         if event is None or event[0] is None or self.tracker is None or self._current is None:
             return
-        block, begun, top, start, allocs = event
+        block, begun, top, start, allocs, before = event
         k = sum(1 for b, _ in self.recomputes if b == block)
-        self.recomputes[(block, k)] = {"segment": self._current.key, "delta": self._live() - begun,
-                                       "excess": max(top, self._live()) - begun, "allocs": allocs,
-                                       "span": None if start is None else (start, len(self._trajectory))}
+        record = self.recomputes[(block, k)] = {
+            "segment": self._current.key, "delta": self._live() - begun, "excess": max(top, self._live()) - begun,
+            "allocs": allocs, "span": None if start is None else (start, len(self._trajectory)), "frees": []}
+        for key in self.tracker.live.keys() - before:
+            self._rebuilt[key] = record
 
     def __enter__(self) -> SegmentRecorder:
         self._observing = recompute_observer(self._on_recompute, self.clock, self._on_recompute_start)
