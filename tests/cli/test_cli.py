@@ -188,8 +188,10 @@ def test_profile_json_matches_the_api(gpt2_profiles):
 
 def test_plan_json_matches_the_api_and_out_file_loads(tmp_path, gpt2_profiles):
     api = gpt2_profiles[0]
-    out = tmp_path / "plan.json"
-    data = ok_json(run_cli("plan", "gpt2", *GPT2, *FAST, "--budget", "0.9", "--out", str(out), "--json"))
+    out, png = tmp_path / "plan.json", tmp_path / "timeline.png"
+    data = ok_json(run_cli("plan", "gpt2", *GPT2, *FAST, "--budget", "0.9", "--out", str(out), "--plot", str(png),
+                           "--json"))
+    assert png.read_bytes()[:4] == b"\x89PNG"  # the timeline (its figures: tests/bench/test_timeline.py)
     plan = remat.Plan.from_json(out.read_text())
     assert data == json.loads(plan.to_json())  # --json prints exactly the plan file
     want = remat.plan(api, "0.9")
@@ -208,6 +210,13 @@ def test_plan_table_then_doctor_checks_the_plan_applied(tmp_path):
     assert "cnn_block_1 full" in text and "head full" in text and "all plan" in text and "Predicted peak" in text
     data = ok_json(run_cli("doctor", "seed-cifar", "--batch", "4", "--plan", str(plan), "--no-measure", "--json"))
     assert data["ok"] and {c["target"] for c in data["checkpoints"]} == {"cnn_block_1", "cnn_block_2", "head"}
+
+
+def test_profile_plot_draws_the_timeline_and_budget_needs_plot(tmp_path):
+    png = tmp_path / "timeline.png"
+    data = ok_json(run_cli("profile", "gpt2", *GPT2, "--fake", "--plot", str(png), "--budget", "0.9", "--json"))
+    assert png.stat().st_size > 5000 and data["baseline_peak_bytes"] > 0
+    one_error_line(run_cli("profile", "gpt2", *GPT2, "--budget", "0.9"), "--budget only draws a plan on --plot")
 
 
 def test_plan_fake_for_h100_matches_the_api(gpt2_profiles):

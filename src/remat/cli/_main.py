@@ -122,12 +122,15 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     common, model, prof = _common(), _model_parent(), _profile_parent()
     p = sub.add_parser("profile", parents=[common, model, prof], help="per-block memory and time, per policy")
     p.add_argument("--out", metavar="FILE", help="also write the full profile (remat.Profile.to_json)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw live memory along the step (remat.bench.plot_timeline)")
+    p.add_argument("--budget", metavar="0.5|6GiB", help="with --plot: also draw the plan for this budget")
     p.set_defaults(command=cmd_profile)
 
     p = sub.add_parser("plan", parents=[common, model, prof], help="the fastest policy per block within a budget")
     p.add_argument("--budget", metavar="0.5|6GiB", help="fraction of the peak without checkpointing, or bytes")
     p.add_argument("--strategy", default="optimal", metavar="NAME", help=_STRATEGY_HELP)
     p.add_argument("--out", metavar="FILE", help="write the plan as JSON (remat.Plan.from_json reads it)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw live memory along the step, without and with the plan")
     p.set_defaults(command=cmd_plan)
 
     p = sub.add_parser("doctor", parents=[common, model], help="find silent checkpointing bugs; exit 1 on errors")
