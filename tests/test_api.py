@@ -81,6 +81,7 @@ def test_entry_point_is_remat_cli_main():
 
 def test_import_remat_stays_light():
     code = ("import sys, remat; heavy = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'rich', "
-            "'matplotlib') or m.startswith(('remat.cli', 'remat.bench', 'remat.zoo'))]; print(heavy)")
+            "'matplotlib', 'lightning', 'pytorch_lightning', 'accelerate') "
+            "or m.startswith(('remat.cli', 'remat.bench', 'remat.zoo', 'remat.integrations'))]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
