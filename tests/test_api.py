@@ -66,8 +66,11 @@ def test_public_modules_import_by_their_names():
     assert inspect.isclass(SeedCifarCNN)
     assert callable(remat.cli.main)
     assert set(remat.bench.__all__) == {"BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch",
-                                        "run_bench", "search_max", "QUICK"}
+                                        "plot_timeline", "run_bench", "search_max", "QUICK"}
     assert all(hasattr(remat.bench, n) for n in remat.bench.__all__)
+    import remat.integrations
+
+    assert remat.integrations.__all__ == []  # one module per framework, imported by its own name
 
 
 def test_entry_point_is_remat_cli_main():
