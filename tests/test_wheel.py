@@ -8,6 +8,7 @@ as a user's venv with ``--system-site-packages`` sees their CUDA torch: remat it
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,8 +19,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_wheel_installs_into_a_fresh_venv_and_the_cli_runs(tmp_path):
-    out = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+    # Built from a copy: setuptools leaves build/ and egg-info behind, and a stale build/ would go into the wheel.
+    tree, out = tmp_path / "tree", tmp_path / "dist"
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(out)], check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = out.glob("remat-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
