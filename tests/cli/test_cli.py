@@ -265,6 +265,15 @@ def test_demo_runs_and_shows_the_seed_bug():
     assert "8 parameters never trained" in out
 
 
+def test_demo_json_is_one_document_with_the_variants():
+    data = ok_json(run_cli("demo", "--batch", "8", "--steps", "2", "--rounds", "1", "--no-plan", "--json"))
+    names = [v["name"] for v in data["variants"]]
+    assert len(names) == 3 and data["plan_demo"] is None
+    assert data["variants"][1]["losses_equal_reference"] and not data["variants"][1]["frozen"]
+    assert len(data["variants"][2]["frozen"]) == 8  # the reentrant checkpoint's frozen parameters
+    assert all(v["measurement"]["peak_bytes"] > 0 for v in data["variants"])
+
+
 # --- bench and max-batch (remat.bench; its own tests cover the numbers) -------------------------------
 
 

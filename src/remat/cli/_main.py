@@ -22,6 +22,7 @@ import shlex
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from rich.table import Table
 
@@ -53,7 +54,8 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
             f"{v.losses[-1]:.4f}",
             "yes (bit-equal)" if v.losses == ref.losses else "NO",
         )
-    ui.show(table)
+    if not ui.json:
+        ui.show(table)
     remat_ok = variants[1].losses == ref.losses and not variants[1].frozen
     bug = variants[2]
     ui.say(
@@ -62,6 +64,7 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
         f"({', '.join(bug.frozen) or 'none'})."
     )
     if args.no_plan:
+        _emit_demo(ui, variants, None)
         return 0 if remat_ok else 1
     from remat.cli._demo import run_plan_demo
 
@@ -81,10 +84,20 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
         f"predicted {1 + plan.predicted_overhead:.2f}x)",
         "bit-equal" if demo.grads_equal else "DIFFER",
     )
-    ui.show(table)
+    if not ui.json:
+        ui.show(table)
+    _emit_demo(ui, variants, demo)
     fits = ours.peak_bytes <= plan.budget_bytes
     ui.say(f"{plan.summary()} Measured peak within budget: {'yes' if fits else 'NO'}.")
     return 0 if remat_ok and fits and demo.grads_equal else 1
+
+
+def _emit_demo(ui: Ui, variants: list, plan_demo: object | None) -> None:
+    """``remat demo --json``: every variant (losses, measurement, frozen parameters, times) and the plan demo."""
+    if ui.json:
+        ref = variants[0].losses
+        ui.emit({"variants": [{**asdict(v), "losses_equal_reference": v.losses == ref} for v in variants],
+                 "plan_demo": None if plan_demo is None else asdict(plan_demo)})
 
 
 def _common() -> argparse.ArgumentParser:
