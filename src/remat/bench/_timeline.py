@@ -133,16 +133,18 @@ def plot_timeline(
     for t, colour in zip(lines, ("tab:gray", "tab:blue") if len(lines) == 2 else ("tab:blue",)):
         ax.plot(t.xs, [v / unit for v in t.live], color=colour, lw=1.5, label=f"{t.label} (peak {human_bytes(t.peak_bytes)})", gid=f"live:{t.label}")
         ax.plot([t.peak_x], [t.peak_bytes / unit], "v", color=colour, ms=7)
+        right = t.peak_x > 0.6 * len(t.xs) / 2  # keep the label inside the axes
         ax.annotate(f"peak: {t.peak_block}, {t.peak_phase}", (t.peak_x, t.peak_bytes / unit), fontsize=7,
-                    xytext=(4, 4), textcoords="offset points", color=colour)
+                    xytext=(-6 if right else 6, -10), textcoords="offset points", color=colour,
+                    ha="right" if right else "left")
     if limit is not None:
         ax.axhline(limit / unit, color="tab:red", ls="--", lw=1, label=f"budget {human_bytes(limit)}",
                    gid="budget")
     ax.set_xlabel("segments of one training step: forward, loss, backward")
     ax.set_ylabel(f"live memory ({unit_name})")
     ax.set_title(f"{profile.model}: memory along one training step")
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="lower center", fontsize=8)
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.12)  # room for the legend and the phase label
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)
