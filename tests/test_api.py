@@ -66,8 +66,11 @@ def test_public_modules_import_by_their_names():
     assert inspect.isclass(SeedCifarCNN)
     assert callable(remat.cli.main)
     assert set(remat.bench.__all__) == {"BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch",
-                                        "run_bench", "search_max", "QUICK"}
+                                        "plot_timeline", "run_bench", "search_max", "QUICK"}
     assert all(hasattr(remat.bench, n) for n in remat.bench.__all__)
+    import remat.integrations
+
+    assert remat.integrations.__all__ == []  # one module per framework, imported by its own name
 
 
 def test_entry_point_is_remat_cli_main():
@@ -81,6 +84,7 @@ def test_entry_point_is_remat_cli_main():
 
 def test_import_remat_stays_light():
     code = ("import sys, remat; heavy = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'rich', "
-            "'matplotlib') or m.startswith(('remat.cli', 'remat.bench', 'remat.zoo'))]; print(heavy)")
+            "'matplotlib', 'lightning', 'pytorch_lightning', 'accelerate') "
+            "or m.startswith(('remat.cli', 'remat.bench', 'remat.zoo', 'remat.integrations'))]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

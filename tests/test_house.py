@@ -22,6 +22,7 @@ WINGS = [
     ("planning", ["remat.planning", "remat.distributed"]),
     ("diagnosis", ["remat.diagnosis"]),
     ("public face", ["remat"]),
+    ("integrations", ["remat.integrations"]),  # training-loop callbacks, each imported only when used
     ("bench", ["remat.bench", "remat.zoo"]),  # the zoo: models for bench and cli only
     ("cli", ["remat.cli"]),
 ]

@@ -188,8 +188,10 @@ def test_profile_json_matches_the_api(gpt2_profiles):
 
 def test_plan_json_matches_the_api_and_out_file_loads(tmp_path, gpt2_profiles):
     api = gpt2_profiles[0]
-    out = tmp_path / "plan.json"
-    data = ok_json(run_cli("plan", "gpt2", *GPT2, *FAST, "--budget", "0.9", "--out", str(out), "--json"))
+    out, png = tmp_path / "plan.json", tmp_path / "timeline.png"
+    data = ok_json(run_cli("plan", "gpt2", *GPT2, *FAST, "--budget", "0.9", "--out", str(out), "--plot", str(png),
+                           "--json"))
+    assert png.read_bytes()[:4] == b"\x89PNG"  # the timeline (its figures: tests/bench/test_timeline.py)
     plan = remat.Plan.from_json(out.read_text())
     assert data == json.loads(plan.to_json())  # --json prints exactly the plan file
     want = remat.plan(api, "0.9")
@@ -208,6 +210,13 @@ def test_plan_table_then_doctor_checks_the_plan_applied(tmp_path):
     assert "cnn_block_1 full" in text and "head full" in text and "all plan" in text and "Predicted peak" in text
     data = ok_json(run_cli("doctor", "seed-cifar", "--batch", "4", "--plan", str(plan), "--no-measure", "--json"))
     assert data["ok"] and {c["target"] for c in data["checkpoints"]} == {"cnn_block_1", "cnn_block_2", "head"}
+
+
+def test_profile_plot_draws_the_timeline_and_budget_needs_plot(tmp_path):
+    png = tmp_path / "timeline.png"
+    data = ok_json(run_cli("profile", "gpt2", *GPT2, "--fake", "--plot", str(png), "--budget", "0.9", "--json"))
+    assert png.stat().st_size > 5000 and data["baseline_peak_bytes"] > 0
+    one_error_line(run_cli("profile", "gpt2", *GPT2, "--budget", "0.9"), "--budget only draws a plan on --plot")
 
 
 def test_plan_fake_for_h100_matches_the_api(gpt2_profiles):
@@ -254,6 +263,15 @@ def test_demo_runs_and_shows_the_seed_bug():
     assert "step time: median of 2 interleaved rounds" in out
     assert "loss sequence bit-equal to no checkpointing: yes" in out
     assert "8 parameters never trained" in out
+
+
+def test_demo_json_is_one_document_with_the_variants():
+    data = ok_json(run_cli("demo", "--batch", "8", "--steps", "2", "--rounds", "1", "--no-plan", "--json"))
+    names = [v["name"] for v in data["variants"]]
+    assert len(names) == 3 and data["plan_demo"] is None
+    assert data["variants"][1]["losses_equal_reference"] and not data["variants"][1]["frozen"]
+    assert len(data["variants"][2]["frozen"]) == 8  # the reentrant checkpoint's frozen parameters
+    assert all(v["measurement"]["peak_bytes"] > 0 for v in data["variants"])
 
 
 # --- bench and max-batch (remat.bench; its own tests cover the numbers) -------------------------------

@@ -155,13 +155,30 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
         raise RematError(f"remat: {flag} {path!r} cannot be written (permission denied); write somewhere else.")
 
 
+def _plot(ui: Ui, prof: Any, plan: Any, path: str | None) -> None:
+    if not path:
+        return
+    from remat.bench import plot_timeline
+    import matplotlib.pyplot as plt
+
+    plt.close(plot_timeline(prof, plan, path=path))
+    ui.say(f"Drew live memory along the step to {path}.")
+
+
 def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
     check_writable(args.out)
+    check_writable(args.plot, "--plot")
+    if args.budget is not None and not args.plot:
+        raise RematError("remat profile: --budget only draws a plan on --plot FILE.png; add --plot, or use "
+                         "remat plan --budget to choose a plan.")
+    if args.budget is not None:
+        remat.parse_budget(args.budget, 1)  # a typo fails now, not after profiling
     loaded = load(args, ui)
     prof = run_profile(args, ui, loaded)
     data = profile_data(args, prof, loaded)
     if args.out:
         Path(args.out).write_text(prof.to_json())
+    _plot(ui, prof, remat.plan(prof, args.budget) if args.budget is not None else None, args.plot)
     if ui.json:
         ui.emit(data)
     else:
@@ -212,6 +229,7 @@ def _plan_table(plan: Any, prof: Any) -> Table:
 def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
     _check_plan_args(args)
     check_writable(args.out)
+    check_writable(args.plot, "--plot")
     loaded = load(args, ui)
     prof = run_profile(args, ui, loaded)
     chosen = remat.plan(prof, args.budget, strategy=args.strategy)
@@ -224,6 +242,7 @@ def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
         )
     if args.out:
         Path(args.out).write_text(chosen.to_json())
+    _plot(ui, prof, chosen, args.plot)
     if ui.json:
         ui.emit(plan_data(chosen))
     else:

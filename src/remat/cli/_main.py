@@ -22,6 +22,7 @@ import shlex
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from rich.table import Table
 
@@ -53,7 +54,8 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
             f"{v.losses[-1]:.4f}",
             "yes (bit-equal)" if v.losses == ref.losses else "NO",
         )
-    ui.show(table)
+    if not ui.json:
+        ui.show(table)
     remat_ok = variants[1].losses == ref.losses and not variants[1].frozen
     bug = variants[2]
     ui.say(
@@ -62,6 +64,7 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
         f"({', '.join(bug.frozen) or 'none'})."
     )
     if args.no_plan:
+        _emit_demo(ui, variants, None)
         return 0 if remat_ok else 1
     from remat.cli._demo import run_plan_demo
 
@@ -81,10 +84,20 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
         f"predicted {1 + plan.predicted_overhead:.2f}x)",
         "bit-equal" if demo.grads_equal else "DIFFER",
     )
-    ui.show(table)
+    if not ui.json:
+        ui.show(table)
+    _emit_demo(ui, variants, demo)
     fits = ours.peak_bytes <= plan.budget_bytes
     ui.say(f"{plan.summary()} Measured peak within budget: {'yes' if fits else 'NO'}.")
     return 0 if remat_ok and fits and demo.grads_equal else 1
+
+
+def _emit_demo(ui: Ui, variants: list, plan_demo: object | None) -> None:
+    """``remat demo --json``: every variant (losses, measurement, frozen parameters, times) and the plan demo."""
+    if ui.json:
+        ref = variants[0].losses
+        ui.emit({"variants": [{**asdict(v), "losses_equal_reference": v.losses == ref} for v in variants],
+                 "plan_demo": None if plan_demo is None else asdict(plan_demo)})
 
 
 def _common() -> argparse.ArgumentParser:
@@ -122,12 +135,15 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     common, model, prof = _common(), _model_parent(), _profile_parent()
     p = sub.add_parser("profile", parents=[common, model, prof], help="per-block memory and time, per policy")
     p.add_argument("--out", metavar="FILE", help="also write the full profile (remat.Profile.to_json)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw live memory along the step (remat.bench.plot_timeline)")
+    p.add_argument("--budget", metavar="0.5|6GiB", help="with --plot: also draw the plan for this budget")
     p.set_defaults(command=cmd_profile)
 
     p = sub.add_parser("plan", parents=[common, model, prof], help="the fastest policy per block within a budget")
     p.add_argument("--budget", metavar="0.5|6GiB", help="fraction of the peak without checkpointing, or bytes")
     p.add_argument("--strategy", default="optimal", metavar="NAME", help=_STRATEGY_HELP)
     p.add_argument("--out", metavar="FILE", help="write the plan as JSON (remat.Plan.from_json reads it)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw live memory along the step, without and with the plan")
     p.set_defaults(command=cmd_plan)
 
     p = sub.add_parser("doctor", parents=[common, model], help="find silent checkpointing bugs; exit 1 on errors")

@@ -1,0 +1,84 @@
+"""RematCallback in a real Lightning Trainer: 3 steps on a tiny module, trained exactly as without remat."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+try:  # the package remat.integrations.lightning takes its Callback from
+    import lightning.pytorch as pl
+except ImportError:
+    pl = pytest.importorskip("pytorch_lightning")
+
+import remat  # noqa: E402
+from remat.integrations.lightning import RematCallback  # noqa: E402
+
+STEPS, BATCH = 3, 256
+
+
+class TinyChain(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                                   for _ in range(4)])
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Watch(pl.Callback):
+    def __init__(self):
+        self.wrapped_at_step = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.wrapped_at_step.append(sorted(n for n, m in pl_module.named_modules() if remat.is_wrapped(m)))
+
+
+def _fit(tmp_path, *callbacks):
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH, 32, generator=g),
+                                          torch.randn(STEPS * BATCH, 32, generator=g))
+    module, watch = TinyChain(), _Watch()
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[watch, *callbacks])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    return module, watch
+
+
+def test_lightning_with_the_callback_trains_exactly_as_without(tmp_path):
+    torch.use_deterministic_algorithms(True)
+    reference, _ = _fit(tmp_path / "plain")
+    callback = RematCallback(budget=0.9, repeat=1)
+    module, watch = _fit(tmp_path / "remat", callback)
+    plan = callback.plan
+    assert plan is not None and plan.checkpointed and plan.model == "TinyChain"
+    assert watch.wrapped_at_step == [sorted(plan.checkpointed)] * STEPS  # before the first optimizer step
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+    for (name, want), got in zip(reference.named_parameters(), module.parameters()):
+        assert torch.equal(want, got), name
+    assert json.loads((tmp_path / "remat" / "remat_plan.json").read_text())["assignment"] == plan.assignment
+    assert not {"forward", "log", "log_dict"} & set(module.__dict__)  # the module is its own again
+
+
+def test_lightning_callback_refuses_manual_optimization_and_loss_fn(tmp_path):
+    class Manual(TinyChain):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(remat.RematError, match="manual optimization"):
+        RematCallback(budget=0.9).on_train_batch_start(None, Manual(), None, 0)
+    with pytest.raises(remat.RematError, match="drop loss_fn"):
+        RematCallback(budget=0.9, loss_fn=sum)
