@@ -70,3 +70,20 @@ def test_plot_timeline_refuses_unknown_blocks_and_nested_plans(chain_profile):
     nested = type(nested)(**{**nested.__dict__, "segments": (("0", "1"),)})
     with pytest.raises(remat.RematError, match="nested segment"):
         plot_timeline(chain_profile, nested)
+
+
+def test_measured_peaks_are_drawn_beside_the_walks(chain_profile):
+    # What remat doctor --plot adds: the peaks of real steps, next to the peak model's walks.
+    p = chain_profile
+    plan = remat.plan(p, 0.9)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+    measured = {"none": remat.measure(model, (torch.randn(256, 32),), repeat=1, warmup=0).peak_bytes}
+    fig = plot_timeline(p, plan, measured=measured)
+    try:
+        (ax,) = fig.axes
+        unit = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}[ax.get_ylabel().split("(")[1].rstrip(")")]
+        (line,) = [ln for ln in ax.get_lines() if ln.get_gid() == "measured:none"]
+        assert line.get_ydata()[0] * unit == pytest.approx(measured["none"], rel=1e-12)
+        assert measured["none"] == p.baseline_peak_bytes  # the walk and the real step agree on this chain
+    finally:
+        plt.close(fig)

@@ -212,6 +212,16 @@ def test_plan_table_then_doctor_checks_the_plan_applied(tmp_path):
     assert data["ok"] and {c["target"] for c in data["checkpoints"]} == {"cnn_block_1", "cnn_block_2", "head"}
 
 
+def test_doctor_plot_draws_the_timeline_with_the_measured_peaks(tmp_path):
+    plan, png = tmp_path / "plan.json", tmp_path / "doctor.png"
+    assert run_cli("plan", "seed-cifar", "--batch", "4", *FAST, "--strategy", "all", "--out", str(plan)).returncode == 0
+    data = ok_json(run_cli("doctor", "seed-cifar", "--batch", "4", "--plan", str(plan), "--repeat", "1",
+                           "--plot", str(png), "--json"))
+    # The whole-model plan on this tiny CNN pays nothing (warnings), but trains correctly (no errors).
+    assert not [f for f in data["findings"] if f["severity"] == "error"]
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+
+
 def test_profile_plot_draws_the_timeline_and_budget_needs_plot(tmp_path):
     png = tmp_path / "timeline.png"
     data = ok_json(run_cli("profile", "gpt2", *GPT2, "--fake", "--plot", str(png), "--budget", "0.9", "--json"))

@@ -102,9 +102,12 @@ def _unit(top: int) -> tuple[int, str]:
 
 def plot_timeline(
     profile: Profile, plan: Plan | Mapping[str, str] | None = None, *, budget: Any = None,
-    path: str | pathlib.Path | None = None, compare: bool = True,
+    path: str | pathlib.Path | None = None, compare: bool = True, measured: Mapping[str, int] | None = None,
 ) -> Any:
     """Live bytes along one training step: no checkpointing and ``plan`` on one figure.
+
+    ``measured``: peaks measured in real steps (label -> bytes, e.g. from ``remat.doctor``), drawn as
+    dotted lines beside the predicted walks.
 
     ``plan``: a :class:`remat.Plan` or block -> policy (None: no checkpointing alone).
     ``budget``: drawn as a horizontal line (bytes, ``"20GiB"`` or a fraction of the peak without
@@ -122,7 +125,8 @@ def plot_timeline(
     if budget is None and isinstance(plan, Plan):
         budget = plan.budget_bytes
     limit = parse_budget(budget, profile.baseline_peak_bytes) if budget is not None else None
-    unit, unit_name = _unit(max(t.peak_bytes for t in lines))
+    measured = dict(measured or {})
+    unit, unit_name = _unit(max([t.peak_bytes for t in lines] + list(measured.values())))
     fig, ax = plt.subplots(figsize=(max(6.0, min(14.0, len(lines[0].xs) / 6)), 4))
     _draw_bands(ax, lines[-1].bands, len(profile.blocks))
     backward = next((x for x, (k, _, _) in enumerate(profile.timeline({})) if k[0] != "fwd"), None)
@@ -137,6 +141,9 @@ def plot_timeline(
         ax.annotate(f"peak: {t.peak_block}, {t.peak_phase}", (t.peak_x, t.peak_bytes / unit), fontsize=7,
                     xytext=(-6 if right else 6, -10), textcoords="offset points", color=colour,
                     ha="right" if right else "left")
+    for (label, peak), colour in zip(measured.items(), ("tab:gray", "tab:blue", "tab:purple", "tab:brown")):
+        ax.axhline(peak / unit, color=colour, ls=":", lw=1, label=f"measured peak, {label} ({human_bytes(peak)})",
+                   gid=f"measured:{label}")
     if limit is not None:
         ax.axhline(limit / unit, color="tab:red", ls="--", lw=1, label=f"budget {human_bytes(limit)}",
                    gid="budget")

@@ -155,13 +155,13 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
         raise RematError(f"remat: {flag} {path!r} cannot be written (permission denied); write somewhere else.")
 
 
-def _plot(ui: Ui, prof: Any, plan: Any, path: str | None) -> None:
+def _plot(ui: Ui, prof: Any, plan: Any, path: str | None, measured: dict[str, int] | None = None) -> None:
     if not path:
         return
     from remat.bench import plot_timeline
     import matplotlib.pyplot as plt
 
-    plt.close(plot_timeline(prof, plan, path=path))
+    plt.close(plot_timeline(prof, plan, path=path, measured=measured))
     ui.say(f"Drew live memory along the step to {path}.")
 
 
@@ -257,12 +257,36 @@ def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
 # -- doctor -------------------------------------------------------------------------------------
 
 
-def _apply_plan_file(loaded: Loaded, path: str) -> None:
+def _read_plan_file(path: str) -> Any:
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise RematError(f"remat doctor: cannot read --plan {path!r}: {exc.strerror}.") from None
-    remat.apply(loaded.model, remat.Plan.from_json(text))
+    return remat.Plan.from_json(text)
+
+
+def _doctor_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
+    """The profile --plot draws from, made before a --plan is applied; None (and a word) where remat cannot
+    profile the model as written (its own checkpointing, e.g. torch's, is in the way)."""
+    if not args.plot:
+        return None
+    try:
+        with ui.status(f"profiling {args.model} for --plot ..."):
+            return remat.profile(loaded.model, loaded.inputs, loaded.loss_fn, repeat=1, warmup=0)
+    except RematError as err:
+        ui.say(f"remat doctor: no timeline drawn: {err}")
+        return None
+
+
+def _doctor_plot(args: argparse.Namespace, ui: Ui, prof: Any, plan: Any, report: Any) -> None:
+    if prof is None:
+        return
+    ref, ck = report.reference, report.checkpointed
+    measured = {}
+    if ref is not None and ck is not None:
+        measured = {"none": ref.peak_bytes, (f"{plan.strategy} plan" if plan is not None else "as written"):
+                    ck.peak_bytes}
+    _plot(ui, prof, plan if plan is not None and not plan.segments else None, args.plot, measured)
 
 
 def doctor_data(report: Any) -> dict[str, Any]:
@@ -315,12 +339,16 @@ def _render_doctor(ui: Ui, report: Any, label: str) -> None:
 
 def cmd_doctor(args: argparse.Namespace, ui: Ui) -> int:
     """Exit status 1 when a finding is an error (training differs), 0 otherwise (warnings shown)."""
+    check_writable(args.plot, "--plot")
     loaded = load(args, ui)
-    if args.plan:
-        _apply_plan_file(loaded, args.plan)
+    plan = _read_plan_file(args.plan) if args.plan else None
+    prof = _doctor_profile(args, ui, loaded)
+    if plan is not None:
+        remat.apply(loaded.model, plan)
     with ui.status(f"running {args.model} with and without its checkpointing ..."):
         report = remat.doctor(loaded.model, loaded.inputs, loaded.loss_fn, measure_cost=not args.no_measure,
                               repeat=args.repeat)
+    _doctor_plot(args, ui, prof, plan, report)
     if ui.json:
         ui.emit(doctor_data(report))
     else:

@@ -150,6 +150,8 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", metavar="FILE", help="apply this plan (from remat plan --out) first, then diagnose")
     p.add_argument("--no-measure", action="store_true", help="skip measuring peak and time (faster; fewer checks)")
     p.add_argument("--repeat", type=int, default=3, metavar="N", help="timed rounds (default 3)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw live memory along the step (profiled before --plan) with the measured peaks")
     p.set_defaults(command=cmd_doctor)
 
     p = sub.add_parser("demo", parents=[common],
