@@ -7,12 +7,14 @@ nested floor, with the one-level floor and the every-block-full point among them
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9]
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vit --set layers=6 --set batch=2
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -30,38 +32,49 @@ def conv_chain(channels: int = 64, blocks: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _setup(name: str) -> tuple[str, nn.Module, Any]:
+def _setup(name: str, options: dict[str, int]) -> tuple[str, nn.Module, Any, Any]:
     if name == "conv":
         torch.manual_seed(0)
-        return "conv chain (stem + 8 conv-BN-ReLU, 64 ch, 64x64, batch 8)", conv_chain(), torch.randn(8, 3, 64, 64)
+        return ("conv chain (stem + 8 conv-BN-ReLU, 64 ch, 64x64, batch 8)", conv_chain(),
+                torch.randn(8, 3, 64, 64), None)
     from remat.zoo import build
 
-    zoo = build(name)
-    return f"zoo {name} (defaults)", zoo.model, zoo.inputs
+    zoo = build(name, **options)
+    sizes = ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+    return f"zoo {name} ({sizes})", zoo.model, zoo.inputs, zoo.loss_fn
 
 
-def _step_time(model: nn.Module, inputs: Any, plan: remat.Plan | None) -> float:
+def _option(text: str) -> tuple[str, int]:
+    key, _, value = text.partition("=")
+    return key, int(value)
+
+
+def _step_time(model: nn.Module, inputs: Any, loss_fn: Any, plan: remat.Plan | None) -> float:
     remat.remove(model)
     if plan is not None:
         remat.apply(model, plan)
-    return remat.measure(model, inputs, repeat=1, warmup=0).step_time_s
+    return remat.measure(model, inputs, loss_fn, repeat=1, warmup=0).step_time_s
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="conv")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--set", type=_option, action="append", default=[], help="a zoo option, e.g. layers=4")
     args = ap.parse_args()
-    title, model, inputs = _setup(args.model)
-    prof = remat.profile(model, inputs)
+    title, model, inputs, loss_fn = _setup(args.model, dict(args.set))
+    start = time.perf_counter()
+    prof = remat.profile(model, inputs, loss_fn)
+    profiled = time.perf_counter() - start
     base = prof.baseline_peak_bytes
-    one_level = remat.plan(prof, strategy="none").min_peak_bytes
+    one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     all_full = prof.predict_peak({b.name: "full" for b in prof.blocks})
-    floor = nested_floor(prof)
-    lowest = floor[0] if floor is not None else one_level
-    print(f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks. Peak without "
+    lowest = remat.plan(prof, strategy="none").min_peak_bytes  # the nested floor where nesting applies
+    nested = "nested floor" if nested_floor(prof) is not None else "no nested view (not a chain of <= 24 blocks)"
+    print(f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks; profiled in {profiled:.1f} s "
+          f"({profiled / prof.step_time_s:.1f} steps of {prof.step_time_s:.3f} s). Peak without "
           f"checkpointing {base / 2**20:.1f} MiB; every block full {all_full / base:.3f}; one-level floor "
-          f"{one_level / base:.3f}; nested floor {lowest / base:.3f}")
+          f"{one_level / base:.3f}; lowest {lowest / base:.3f} ({nested})")
     marks = {1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, all_full / base, one_level / base, (lowest + 1) / base}
     fractions = sorted((f for f in marks if f * base >= lowest), reverse=True)
     rows = []
@@ -69,12 +82,12 @@ def main() -> None:
         plan = remat.plan(prof, int(f * base))
         remat.remove(model)
         remat.apply(model, plan)
-        measured = remat.measure(model, inputs, repeat=1, warmup=1).peak_bytes
+        measured = remat.measure(model, inputs, loss_fn, repeat=1, warmup=1).peak_bytes
         rows.append((f, plan, measured))
     times: list[list[float]] = [[] for _ in range(len(rows) + 1)]
     for _ in range(args.rounds):  # interleaved: each round times every plan once
         for i, plan in enumerate([None] + [r[1] for r in rows]):
-            times[i].append(_step_time(model, inputs, plan))
+            times[i].append(_step_time(model, inputs, loss_fn, plan))
     remat.remove(model)
     print("| budget | measured MiB (of peak) | predicted MiB | error | segments | time ratio: median (min-max) |")
     print("|---|---|---|---|---|---|")

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning._nested import Costs, Node, extra_time, simulate, solve_nested
+from remat.planning import apply as apply_module
+from remat.planning._nested import Costs, Node, extra_time, lowest_nested, simulate, solve_nested
 from remat.planning._solve import Chain
 
 
@@ -41,7 +42,7 @@ def chain_and_profile():
 
 def test_nested_plan_goes_below_the_one_level_floor(chain_and_profile):
     model, x, prof = chain_and_profile
-    one_level = remat.plan(prof, strategy="none").min_peak_bytes
+    one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     budget = int(one_level * 0.85)
     with pytest.raises(remat.RematError, match="below the lowest peak"):
         remat.plan(prof, budget, nested=False)
@@ -58,7 +59,7 @@ def test_nested_plan_gradients_buffers_and_memory_match(chain_and_profile):
         plain.load_state_dict(model.state_dict())
         ref_out, ref_grads = _step(plain, x)
         keys = list(model.state_dict())
-        plan = remat.plan(prof, int(remat.plan(prof, strategy="none").min_peak_bytes * 0.85))
+        plan = remat.plan(prof, int(remat.plan(prof, strategy="none", nested=False).min_peak_bytes * 0.85))
         twin = conv_chain()
         twin.load_state_dict(model.state_dict())
         calls = []
@@ -81,9 +82,74 @@ def test_nested_plan_gradients_buffers_and_memory_match(chain_and_profile):
     assert "forward" not in twin.__dict__ and not any("forward" in m.__dict__ for m in twin.modules())
 
 
+def test_every_plan_and_the_cli_name_the_nested_floor(chain_and_profile):
+    _, _, prof = chain_and_profile
+    one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    assert floor < one_level
+    for plan in (remat.plan(prof, strategy="all"), remat.plan(prof, 0.9), remat.plan(prof, floor)):
+        assert plan.min_peak_bytes == floor
+    lowest = remat.plan(prof, floor)  # the floor is reachable, and it is the lowest: one byte less is refused
+    assert lowest.segments and lowest.predicted_peak_bytes == floor
+    with pytest.raises(remat.RematError, match=rf"lowest peak .*\({floor} bytes"):
+        remat.plan(prof, floor - 1)
+    assert remat.plan(prof, 0.9, nested=False).min_peak_bytes == one_level
+
+
+def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
+    model, x, prof = chain_and_profile
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    seen: list = []
+
+    budget = int(remat.plan(prof, strategy="none", nested=False).min_peak_bytes * 1.02)
+
+    def measured(model, inputs, loss_fn, plan, backend=None):  # noqa: ANN001, ANN202
+        seen.append(plan)  # every plan but the lowest-peak one measures over the budget
+        return floor if plan.predicted_peak_bytes == floor else budget + 1
+
+    monkeypatch.setattr(apply_module, "_measured", measured)
+    monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
+    plan = remat.auto(model, x, budget)
+    remat.remove(model)
+    assert len(seen) >= 2 and plan is not seen[0]
+    assert plan.segments and plan.predicted_peak_bytes == plan.measured_peak_bytes == floor < budget
+
+
+class _Scaled(nn.Sequential):
+    """A conv chain whose parent scales every block's output: the profile sees a chain, a segment cannot run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self:
+            x = module(x) * 1.0
+        return x
+
+
+def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch):
+    torch.manual_seed(0)
+    model, x = _Scaled(*conv_chain()), torch.randn(2, 3, 16, 16)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    assert remat.plan(prof, strategy="none").min_peak_bytes < one_level  # auto's last resort is nested
+    real, seen = apply_module._measured, []
+
+    def measured(model, inputs, loss_fn, plan, backend=None):  # noqa: ANN001, ANN202
+        seen.append(plan.segments)  # plans above the one-level floor measure 1 MiB over: only the lowest is left
+        return real(model, inputs, loss_fn, plan, backend) + (2**20 if plan.predicted_peak_bytes > one_level else 0)
+
+    monkeypatch.setattr(apply_module, "_measured", measured)
+    monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
+    plan = remat.auto(model, x, (one_level + prof.baseline_peak_bytes) // 2)
+    try:
+        assert any(seen) and plan.segments == () and plan.measured_peak_bytes == one_level
+        assert "planned one level deep" in plan.notes[-2] and "lowest-peak plan fits" in plan.notes[-1]
+    finally:
+        remat.remove(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_plan_json_keeps_segments_and_reads_schema_2(chain_and_profile):
     _, _, prof = chain_and_profile
-    plan = remat.plan(prof, int(remat.plan(prof, strategy="none").min_peak_bytes * 0.85))
+    plan = remat.plan(prof, int(remat.plan(prof, strategy="none", nested=False).min_peak_bytes * 0.85))
     assert remat.Plan.from_json(plan.to_json()) == plan
     old = json.loads(plan.to_json())
     old["schema"] = 2
@@ -225,3 +291,14 @@ def test_nested_dp_is_optimal_against_brute_force(seed):
         if fits:
             assert slack is not None and slack[1] <= min(fits) + 1e-9
         assert math.isfinite(found[1]) if found is not None else True
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nested_floor_is_the_lowest_peak_of_all_plans(seed):
+    c = _synthetic(5, seed)
+    plans = _all_plans(0, 5, False)
+    peaks = [simulate(c, p) for p in plans]
+    floor, nodes = lowest_nested(c, c.chain.pre_peak, max(peaks))
+    assert floor == simulate(c, nodes) == min(peaks)
+    one_level = min(peak for p, peak in zip(plans, peaks) if all(node.end is None for node in p))
+    assert floor <= one_level

@@ -169,3 +169,36 @@ def test_autocast_weight_casts_are_freed_by_the_blocks_that_made_them():
                        {n: ("full", "keep")[i % 2] for i, n in enumerate(names)}, {names[0]: "selective"}):
         predicted, measured = prof.predict_peak(assignment), _measured(zoo, assignment)
         assert abs(predicted - measured) <= 0.01 * measured, (assignment, predicted, measured)
+
+
+@pytest.mark.parametrize(("warmup", "untimed"), [(0, 0), (1, 0), (2, 1)])
+def test_the_traced_step_is_the_first_warmup(warmup, untimed, caplog):
+    # One traced step per policy, then (warmup - 1) untimed and ``repeat`` timed rounds: steps counted at the root.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), *(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)))
+    steps = []
+    model.register_forward_pre_hook(lambda *a: steps.append(1))
+    with caplog.at_level("INFO", logger="remat"):
+        remat.profile(model, torch.randn(4, 8), warmup=warmup, repeat=2)
+    assert len(steps) == 3 * (1 + untimed + 2)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("remat.profile:"))
+    assert "3 traced steps" in line and "6 timed steps" in line
+    assert (f"{3 * untimed} warm-up steps" in line) == (untimed > 0)
+
+
+def test_collections_during_a_profile_leave_the_heap_as_it_was():
+    import gc
+
+    from remat.profiling._profile_run import young_collections
+
+    with young_collections():
+        assert gc.get_freeze_count() > 0  # the heap before the profile is not walked again
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own frozen objects stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with young_collections():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

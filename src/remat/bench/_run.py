@@ -146,7 +146,7 @@ def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], ba
         except RematError:
             notes.append(f"{label}: budget below the minimum peak remat can reach ({minimum} bytes); not run.")
             continue
-        key = tuple(sorted(plan.assignment.items()))
+        key = (tuple(sorted(plan.assignment.items())), plan.segments)
         plans.setdefault(key, ([], plan))[0].append(label)
     if minimum >= 0.99 * prof.baseline_peak_bytes:
         notes.append("No plan lowers the peak by more than 1%: it is set where recomputation rebuilds the same "

@@ -190,6 +190,53 @@ def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: 
     return peak
 
 
+class _Candidates:
+    """Plans for ``auto`` to measure, nested while the model runs nested segments.
+
+    NOTE [Nested plans on models that are not chains]
+    The profile sees a chain of blocks wherever their segments follow one another, but a
+    nested segment also needs each block's output to be the next block's only input from
+    the parent (``remat.core._segment``); the parent's code is only seen when the plan
+    runs. When a candidate with segments raises for that reason, auto plans one level
+    deep from then on (the one-level plan for the same budget), and says so in the notes.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str | None,
+                 notes: list[str]) -> None:
+        self.model, self.inputs, self.loss_fn, self.prof, self.backend = model, inputs, loss_fn, prof, backend
+        self.notes = notes
+        self.nested = True
+        self.tried: list[tuple[Plan, int]] = []
+
+    def plan(self, budget: int) -> Plan:
+        return make_plan(self.prof, budget, nested=self.nested)
+
+    def lowest(self) -> Plan:
+        """The plan at the lowest peak any plan reaches (the nested floor while nesting)."""
+        return self.plan(make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes)
+
+    def measure(self, plan: Plan) -> tuple[Plan, int]:
+        """(the plan measured, its peak): ``plan``, or its one-level twin if its segments cannot run."""
+        same = [m for p, m in self.tried if (p.assignment, p.segments) == (plan.assignment, plan.segments)]
+        if same:
+            return plan, same[0]
+        try:
+            measured = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend)
+        except RematError as err:
+            if not plan.segments:
+                raise
+            self.nested = False
+            self.notes.append(f"Nested segments do not run on this model ({err}); planned one level deep.")
+            log.warning("remat.auto: %s", self.notes[-1])
+            try:
+                one_level = self.plan(plan.budget_bytes)
+            except RematError:  # below the one-level minimum: its lowest-peak plan
+                one_level = self.lowest()
+            return self.measure(one_level)
+        self.tried.append((plan, measured))
+        return plan, measured
+
+
 def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None) -> Plan:
     # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
     baseline = prof.baseline_peak_bytes
@@ -201,14 +248,14 @@ def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budge
     scale = prof.baseline_peak_bytes / baseline
     execution = "eager" if backend is None else "compiled"
     limit = parse_budget(budget, baseline)
-    target, margin, tried = limit, 0, []
+    candidates = _Candidates(model, inputs, loss_fn, prof, backend, notes)
+    target, margin = limit, 0
     for _ in range(REPLANS + 1):
         try:
-            candidate = make_plan(prof, int(target * scale))
+            candidate = candidates.plan(int(target * scale))
         except RematError:
             break  # the margin leaves no plan: only the lowest-peak plan is left to try
-        measured = _measured(model, inputs, loss_fn, candidate, backend)
-        tried.append((candidate, measured))
+        candidate, measured = candidates.measure(candidate)
         if measured <= limit:
             return replace(candidate, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes),
                            execution=execution)
@@ -220,11 +267,8 @@ def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budge
         )
         log.warning("remat.auto: %s", notes[-1])
         target = limit - margin
-    lowest = make_plan(prof, strategy="none")
-    lowest = make_plan(prof, lowest.min_peak_bytes)
-    measured = next((m for p, m in tried if p.assignment == lowest.assignment), None)
-    if measured is None:
-        measured = _measured(model, inputs, loss_fn, lowest, backend)
+    # The lowest peak of any plan, nested ones included (remat.plan reaches its own min_peak_bytes).
+    lowest, measured = candidates.measure(candidates.lowest())
     if measured <= limit:
         notes.append("The lowest-peak plan fits the budget.")
         return replace(lowest, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes),

@@ -320,7 +320,8 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
     """
     if not isinstance(profile, Profile):
         raise RematError(f"remat.plan: expected a remat.Profile (from remat.profile), got {type(profile).__name__}.")
-    minimum, lowest = _minimum(profile)
+    one_level, lowest = _minimum(profile)
+    minimum = _lowest_peak(profile, one_level) if nested else one_level
     if strategy != "optimal":
         return _make(profile, _strategy(profile, strategy), strategy,
                      None if budget is None else parse_budget(budget, profile.baseline_peak_bytes), minimum)
@@ -328,13 +329,11 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
         raise RematError("remat.plan: the optimal strategy needs a budget; give " + _ACCEPTED + ".")
     baseline = profile.baseline_peak_bytes
     limit = parse_budget(budget, baseline)
-    if limit < minimum and nested:
+    if limit < one_level and nested:
         found = _nested(profile, limit, minimum)
         if found is not None:
             return found
-        floor = nested_floor(profile)
-        minimum = min(minimum, floor[0]) if floor is not None else minimum
-    if limit < minimum:
+    if limit < one_level:
         raise RematError(
             f"remat.plan: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the baseline) is "
             f"below the lowest peak any plan reaches on this profile: {human_bytes(minimum)} ({minimum} bytes, "
@@ -353,22 +352,28 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
     return _make(profile, assignment, "optimal", limit, minimum)
 
 
-def _nested(profile: Profile, limit: int, one_level_minimum: int) -> Plan | None:
+def _lowest_peak(profile: Profile, one_level: int) -> int:
+    """The lowest predicted peak of any plan: one policy per block, or nested where the profile allows."""
+    floor = nested_floor(profile)
+    return min(one_level, floor[0]) if floor is not None else one_level
+
+
+def _nested(profile: Profile, limit: int, minimum: int) -> Plan | None:
     """The fastest nested plan within ``limit`` (None: none fits)."""
     found = plan_nested(profile, limit)
     if found is None:
         return None
     assignment, segments, peak, extra = found
-    floor = nested_floor(profile)
     return Plan(
         assignment={b.name: assignment.get(b.name, "keep") for b in profile.blocks},
         predicted_peak_bytes=peak,
         predicted_overhead=extra / profile.step_time_s if profile.step_time_s > 0 else 0.0,
         baseline_peak_bytes=profile.baseline_peak_bytes,
-        min_peak_bytes=min(one_level_minimum, floor[0]) if floor is not None else one_level_minimum,
+        min_peak_bytes=minimum,
         budget_bytes=limit,
         strategy="optimal",
         model=profile.model,
         training=profile.training,
+        parameters=profile.parameters,
         segments=segments,
     )

@@ -37,7 +37,7 @@ from remat.core._step import LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._profile_run import _assemble, _Policies, traced_step
+from remat.profiling._profile_run import _assemble, _Policies, traced_step, young_collections
 from remat.profiling._shadow import ValueShadows
 from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
@@ -109,7 +109,8 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
     switch = _Policies(model, names)
     traced, io_bytes, ledgers = {}, {}, {}
     try:
-        with _FakeWeights(model, mode), cache_disabled(model), _target_kernels(target, gpu_path):
+        with _FakeWeights(model, mode), cache_disabled(model), _target_kernels(target, gpu_path), \
+                young_collections():
             for policy in policies:
                 switch.set(policy)
                 with mode, shadows:

@@ -37,7 +37,8 @@ def profile(
         blocks: the checkpointing units: ``"auto"`` (default), ``"coarse"``, ``"fine"``,
             or a list of module names.
         policies: the policies to profile (``keep`` is always added).
-        warmup: untimed steps per policy before the timed ones.
+        warmup: untimed steps per policy before the timed ones; the traced step of each
+            policy (memory and FLOPs) is the first of them.
         repeat: timed steps per policy; times are medians.
         fake: run on fake tensors: nothing is allocated, so a model larger than
             this machine (built under ``torch.device("meta")``) can be planned.
