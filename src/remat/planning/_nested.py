@@ -23,8 +23,9 @@ policy (the rest gets ``m`` minus what it keeps) or a segment [s, k) (the rest g
 within what is left after the gradients the rest leaves). Sizes are rounded up and
 frees down to a grid of 1/``GRID`` of the baseline peak, so an accepted plan never
 exceeds its budget in the model; the exact walk (``simulate``) gives the prediction.
-O(n^3) numpy steps over the GRID budgets (0.34 s for 24 blocks; the floor takes ~10 solves): used for
-chains of at most ``MAX_BLOCKS`` blocks, and by ``remat.plan`` only below the one-level floor.
+O(n^3) numpy steps over the GRID budgets (0.34 s for 24 blocks; the floor takes ~10 solves, once per
+profile: ``Plan.min_peak_bytes`` is the floor): used for chains of at most ``MAX_BLOCKS`` blocks, and
+by ``remat.plan`` to plan only below the one-level floor.
 """
 
 from __future__ import annotations

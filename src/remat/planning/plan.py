@@ -40,7 +40,8 @@ class Plan:
     baseline_peak_bytes: int
     """Predicted (= profiled) peak without checkpointing."""
     min_peak_bytes: int
-    """Lowest peak any plan reaches on this profile."""
+    """Lowest peak any plan reaches on this profile: the nested floor where nested plans apply (one level
+    deep when planned with ``nested=False``)."""
     budget_bytes: int | None
     """The budget the plan was made for (None for hand-made strategies)."""
     strategy: str
@@ -312,7 +313,8 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
             on the same footing: ``"none"``, ``"all"`` (full recompute everywhere),
             ``"selective"``, ``"sqrt"`` (ceil(sqrt(n)) evenly spaced blocks), ``"every:K"``.
         nested: below the lowest peak of one policy per block, checkpoint runs of blocks as nested
-            segments (``Plan.segments``; blocks called as a chain, ``remat.planning._nested``).
+            segments (``Plan.segments``; blocks called as a chain, ``remat.planning._nested``);
+            ``Plan.min_peak_bytes`` is then the nested floor. False: one level, its own minimum.
 
     For a chain of blocks the solver is a dynamic program that is exact up to a
     rounding of live bytes to 1/32768 of their range, always on the safe
