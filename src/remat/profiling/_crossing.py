@@ -155,8 +155,9 @@ class Recompute:
 # can be freed again later in the same segment (the aux backward used it and let go):
 # those frees go with it, out of q's replay and into m's, and the walk moves only what
 # it leaves live at the segment's end (``Recompute.kept``; measured: 8192 B under on a
-# shared-tensor model with an aux output before). Done where one such block is
-# recomputed in the segment (two would interact); elsewhere the safe charge stays.
+# shared-tensor model with an aux output before). Done where one such recomputation
+# runs in the segment (two would interact, also two of one block called twice);
+# elsewhere the safe charge stays.
 Trajectory = list[tuple[int, int, int]]
 
 
@@ -201,13 +202,13 @@ def swap_excesses(
     out: dict[str, dict[str, int]] = {}
     for q, by_key in trajectories.items():
         mine = runs.get(q)
-        removed = (tuple(mine["span"]), mine["delta"], mine.get("frees", [])) if mine else None
+        removed = (tuple(mine["span"]), mine["delta"], mine["frees"]) if mine else None
         row = out[q] = {}
         for m in trajectories:
             if m == q:
                 continue
             theirs = runs.get(m)
-            inserted = (theirs["allocs"], theirs["delta"], theirs["excess"], theirs.get("frees", [])) if theirs else None
+            inserted = (theirs["allocs"], theirs["delta"], theirs["excess"], theirs["frees"]) if theirs else None
             row[m] = _replayed(by_key[host], removed, inserted)
     return out
 
@@ -271,8 +272,5 @@ def _swapped(r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequen
         return True
     entry = out.setdefault(i, [0, 0, 0])
     entry[0] += r.kept(mine) - r.kept(taken_from)
-    if len(entry) == 4:  # a second swap in one segment: the tables do not compose, keep the larger
-        entry[3] = max(entry[3], r.swap[taken_from][mine])
-    else:
-        entry.append(r.swap[taken_from][mine])
+    entry.append(r.swap[taken_from][mine])  # one swap per segment: crowded segments get no table
     return True

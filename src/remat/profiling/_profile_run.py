@@ -347,14 +347,12 @@ def _stays_home(ident: tuple, per_policy: dict[str, dict[tuple, dict]]) -> bool:
     if ident[2] != "made":
         return False
     home = {("fwd", ident[0], ident[1]), ("bwd", ident[0], ident[1]), None}
-    return all(_key(runs[ident]["freed"]) in home for runs in per_policy.values())
+    return all(runs[ident]["freed"] in home for runs in per_policy.values())
 
 
-def _key(freed: Any) -> Any:
-    return None if freed is None else tuple(freed)
-
-
-def _recomputes(per_policy: dict[str, dict[tuple, dict]], trajectories: dict[str, dict[tuple, list]]) -> list[Recompute]:
+def _recomputes(
+    per_policy: dict[str, dict[tuple, dict]], trajectories: dict[str, dict[tuple, list]],
+) -> list[Recompute]:
     """One :class:`Recompute` per (block, k-th recomputation) seen in any policy's run."""
     idents = dict.fromkeys(i for runs in per_policy.values() for i in runs)
     if set(trajectories) != set(per_policy):
@@ -368,20 +366,21 @@ def _recomputes(per_policy: dict[str, dict[tuple, dict]], trajectories: dict[str
             at={p: r["segment"] for p, r in ran.items()},
             delta={p: r["delta"] for p, r in ran.items()},
             excess={p: r["excess"] for p, r in ran.items()},
-            freed_after={p: sum(nb for _, _, nb in r.get("frees", ())) for p, r in ran.items()},
+            freed_after={p: sum(nb for _, _, nb in r["frees"]) for p, r in ran.items()},
             swap=swap_excesses(block, ran, trajectories, crowded) if trajectories else {},
         ))
     return out
 
 
 def _crowded(per_policy: dict[str, dict[tuple, dict]]) -> set:
-    """Segments in which some run recomputed two or more blocks other than the segment's own."""
+    """Segments in which some run made two or more recomputations other than of the segment's own block
+    (two blocks, or one block called twice): their swap tables would not compose."""
     hosted: dict[tuple, set] = defaultdict(set)
     for runs in per_policy.values():
-        for (block, _), r in runs.items():
+        for (block, k), r in runs.items():
             if r["segment"][1] != block:
-                hosted[tuple(r["segment"])].add(block)
-    return {key for key, blocks in hosted.items() if len(blocks) > 1}
+                hosted[tuple(r["segment"])].add((block, k))
+    return {key for key, recomputations in hosted.items() if len(recomputations) > 1}
 
 
 def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:
