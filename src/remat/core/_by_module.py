@@ -31,8 +31,9 @@ recomputes them: the fast path keeps more than op-level, less than keep.
 
 NOTE [A region as saved-tensor hooks]
 A region runs its module's forward normally, with its graph, under saved-tensor hooks:
-a tensor autograd saves that shares storage with an input, parameter or buffer is kept
-(alive anyway), any other is dropped for an index; the first unpack reruns the forward
+a tensor autograd saves that shares storage with an input, parameter or buffer, or with
+the region's output, is kept (alive anyway, or saved by the next Linear too), any other
+is dropped for an index; the first unpack reruns the forward
 (grad on, inputs detached with their ``requires_grad``, autocast and buffers as in the
 forward) and hands out the tensors it saved, in order. The graph is the
 un-checkpointed one, so parameters get gradients whatever the inputs'
@@ -47,6 +48,7 @@ op-level: these hooks would hide the region's tensors from the outer checkpoint.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +63,24 @@ from remat.core._region import _bookkeeping, _written_tensors, observed_recomput
 from remat.core._rng import draws_random
 
 Writes = tuple[tuple[weakref.ref, str], ...]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def op_level_selective() -> Iterator[None]:
+    """Within: "selective" runs op-level on every call, as before #16 (the H100 ground truth's selective
+    rows were measured so; they are compared with profiles made this way until re-measured on a GPU)."""
+    _local.op_level = getattr(_local, "op_level", 0) + 1
+    try:
+        yield
+    finally:
+        _local.op_level -= 1
+
+
+def by_module_allowed() -> bool:
+    """False inside :func:`op_level_selective`."""
+    return not getattr(_local, "op_level", 0)
 
 
 @dataclass(frozen=True)
@@ -159,6 +179,15 @@ class StructureRecorder(TorchDispatchMode):
                                for s in outermost))
 
 
+@dataclass
+class _Saved:
+    """A tensor a region saved: kept (its output) or dropped after the forward, recomputed by index."""
+
+    frame: _Frame
+    tensor: torch.Tensor | None
+    index: int
+
+
 class _Frame:
     """One cheap region call (NOTE [A region as saved-tensor hooks])."""
 
@@ -173,19 +202,36 @@ class _Frame:
         self.autocast = _autocast_state(tensors)
         self.buffers = _buffers_before(writes)
         self.count = 0
+        self.pending: list[_Saved] = []
         self.recomputed: list[torch.Tensor | None] = []
 
     def pack(self, t: torch.Tensor) -> Any:
         if storage_key(t) in self.resident:  # an input, a parameter, a view of one: alive anyway
             return t
+        saved = _Saved(self, t, self.count)
         self.count += 1
-        return self, self.count - 1
+        self.pending.append(saved)
+        return saved
+
+    def settle(self, out: Any) -> None:
+        """After the forward: drop what was saved, but the region's own output (its consumer keeps it too,
+        e.g. a ReLU's); with nothing dropped the region lets go of its inputs, as keeping would."""
+        outputs = _tensor_keys(out)
+        dropped = False
+        for saved in self.pending:
+            if storage_key(saved.tensor) not in outputs:
+                saved.tensor, dropped = None, True
+        self.pending = []
+        if not dropped:
+            self.leaves = []
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        frame, index = packed
+        if packed.tensor is not None:
+            return packed.tensor
+        frame, index = packed.frame, packed.index
         if index >= len(frame.recomputed) or frame.recomputed[index] is None:
             frame.recompute()
         t, frame.recomputed[index] = frame.recomputed[index], None
@@ -257,7 +303,9 @@ class _RegionForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         frame = _Frame(self.forward, args, kwargs, self.module, self.writes, self.owner)
         with torch.autograd.graph.saved_tensors_hooks(frame.pack, _Frame.unpack):
-            return self.forward(*args, **kwargs)
+            out = self.forward(*args, **kwargs)
+        frame.settle(out)
+        return out
 
 
 _MISSING = object()

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.core._by_module import StructureRecorder, run_by_module
+from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.core._rng import ReplayContext, RngLedger
@@ -186,7 +186,7 @@ def _run_checkpointed(
     owner = owner if isinstance(owner, nn.Module) else None
     recorder, remember_structure = None, None
     if (owner is not None and isinstance(policy, str) and policy == "selective" and options.contexts is None
-            and not _inside_saved_tensor_hooks()):
+            and by_module_allowed() and not _inside_saved_tensor_hooks()):
         structure, remember_structure = _learned_memo(fn, _STRUCTURES)  # NOTE in remat.core._by_module
         regions = structure.live() if structure is not None else None
         if regions:
