@@ -241,24 +241,28 @@ class _Frame:
         recorded: list[torch.Tensor | None] = []
 
         def pack(t: torch.Tensor) -> None:
-            if storage_key(t) not in self.resident:
+            key = storage_key(t)
+            if key not in self.resident and key not in stand_ins:  # as in the forward (BatchNorm saves its stats)
                 recorded.append(t.detach())
 
         leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
                   for x in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
-        with torch.enable_grad(), observed_recomputation(self.owner), self._swapped_buffers(), \
+        with torch.enable_grad(), observed_recomputation(self.owner), self._swapped_buffers() as stand_ins, \
                 self._autocast(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             self.forward(*args, **kwargs)
         self.recomputed = recorded
 
     @contextlib.contextmanager
-    def _swapped_buffers(self) -> Iterator[None]:
+    def _swapped_buffers(self) -> Iterator[set[int]]:
+        """The buffers as the forward began (copies), in place while recomputing; yields their storages."""
         swapped = [(m, name, m._buffers[name]) for m, name, _ in self.buffers]
+        stand_ins = set()
         for m, name, before in self.buffers:
             m._buffers[name] = before.clone()
+            stand_ins.add(storage_key(m._buffers[name]))
         try:
-            yield
+            yield stand_ins
         finally:
             for m, name, original in swapped:
                 m._buffers[name] = original
