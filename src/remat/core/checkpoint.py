@@ -275,10 +275,19 @@ def checkpoint(
             ``remat.checkpoint(policy=...)`` returns a decorator.
         policy: ``"full"`` recomputes everything; ``"selective"`` keeps the
             outputs of matmuls, convolutions and attention and recomputes the
-            rest; a list of aten ops to keep, or a torch selective-checkpoint
-            policy function. Whatever it keeps, random streams are unchanged: a
-            kept op that draws random numbers (CUDA attention with dropout) still
-            advances the generator in recompute (NOTE in ``remat.core._rng``).
+            rest; a list of aten ops to keep, or a torch
+            selective-checkpoint policy function. For a module (or a bound
+            method of one), ``"selective"`` decides op by op on its first call
+            only; later calls recompute just its cheap submodules (norms,
+            activations) as regions of their own, with no per-op hook, and keep
+            what everything else saves, dropout masks included (more memory
+            than op by op where the
+            block's own code or a Linear saves a cheap output; NOTE in
+            ``remat.core._by_module``). Functions, op lists and policy functions
+            decide op by op on every call. Whatever it keeps, random streams are
+            unchanged: a kept op that draws random numbers (CUDA attention with
+            dropout) still advances the generator in recompute (NOTE in
+            ``remat.core._rng``).
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
         use_reentrant, context_fn, determinism_check, debug, early_stop: torch's
