@@ -98,6 +98,24 @@ def recompute_observer(
         _observer.pop()
 
 
+@contextlib.contextmanager
+def observed_recomputation(owner: nn.Module | None) -> Iterator[None]:
+    """One recomputation of ``owner``'s forward: ``is_recomputing()`` inside, told to the observer when
+    outermost (a region inside another's recomputation is in the outer's time)."""
+    depth = getattr(_local, "recomputing", 0)
+    _local.recomputing = depth + 1
+    observer = _observer[-1] if depth == 0 and _observer else None
+    if observer is not None and observer[2] is not None:
+        observer[2](owner)
+    start = observer[1].mark() if observer is not None else None
+    try:
+        yield
+    finally:
+        _local.recomputing -= 1
+        if observer is not None:
+            observer[0](start, observer[1].mark())
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal``; fake tensors (a fake profile) have no values to compare, and count as written,
     as the buffers they stand for are (batch-norm running statistics) on real tensors."""
@@ -359,19 +377,7 @@ class RecomputeContext:
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
-        depth = getattr(_local, "recomputing", 0)
-        _local.recomputing = depth + 1
-        observer = _observer[-1] if depth == 0 and _observer else None  # nested: inside the outer's time
-        if observer is not None and observer[2] is not None:
-            observer[2](self.region.owner)
-        start = observer[1].mark() if observer is not None else None
-
-        def done() -> None:
-            _local.recomputing -= 1
-            if observer is not None:
-                observer[0](start, observer[1].mark())
-
-        stack.callback(done)
+        stack.enter_context(observed_recomputation(self.region.owner))
         stack.enter_context(self.region.swapped_buffers())
         self._stacks.append(stack)
 

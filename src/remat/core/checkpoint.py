@@ -33,6 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
 from remat.core._rng import ReplayContext, RngLedger
@@ -112,6 +113,8 @@ def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 #: What each callable's first forward wrote, per training flag (see remat.core._region).
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Each callable's cheap submodules under "selective", per training flag (remat.core._by_module).
+_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
@@ -124,17 +127,17 @@ def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
     return fn, (None, getattr(fn, "training", None))
 
 
-def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | None], None]]:
+def _learned_memo(fn: Callable, memo: weakref.WeakKeyDictionary = _LEARNED) -> tuple[Any, Callable[[Any], None]]:
     key = _memo_key(fn)
     try:
-        table = _LEARNED.get(key[0]) if key is not None else None
+        table = memo.get(key[0]) if key is not None else None
     except TypeError:  # not weakly referenceable or not hashable
         key = table = None
     if key is None:
         return None, lambda learned: None
 
-    def remember(learned: Learned | None) -> None:
-        _LEARNED.setdefault(key[0], {})[key[1]] = learned
+    def remember(learned: Any) -> None:
+        memo.setdefault(key[0], {})[key[1]] = learned
 
     return (table or {}).get(key[1]), remember
 
@@ -179,9 +182,19 @@ def _inside_saved_tensor_hooks() -> bool:
 def _run_checkpointed(
     fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict, options: CallOptions = DEFAULT
 ) -> Any:
-    learned, remember = _learned_memo(fn)
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    region = Region(args, kwargs, learned, owner if isinstance(owner, nn.Module) else None)
+    owner = owner if isinstance(owner, nn.Module) else None
+    recorder, remember_structure = None, None
+    if (owner is not None and isinstance(policy, str) and policy == "selective" and options.contexts is None
+            and by_module_allowed() and not _inside_saved_tensor_hooks()):
+        structure, remember_structure = _learned_memo(fn, _STRUCTURES)  # NOTE in remat.core._by_module
+        regions = structure.live() if structure is not None else None
+        if regions:
+            return run_by_module(fn, regions, args, kwargs, owner)
+        if regions is None:
+            recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
+    learned, remember = _learned_memo(fn)
+    region = Region(args, kwargs, learned, owner)
     policy_fn = _policy_function(policy)
     phase = {"forward": True}
 
@@ -192,6 +205,8 @@ def _run_checkpointed(
             fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options.allow_cache_entry_mutation)
         if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
             fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
+        if recorder is not None:
+            fwd = Stacked(fwd, recorder)
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
     markers = _device_markers(args, kwargs)
@@ -230,6 +245,8 @@ def _run_checkpointed(
         )
     if nested:
         region.release_inputs()
+    if recorder is not None:
+        remember_structure(recorder.structure())
     return out
 
 
@@ -258,10 +275,19 @@ def checkpoint(
             ``remat.checkpoint(policy=...)`` returns a decorator.
         policy: ``"full"`` recomputes everything; ``"selective"`` keeps the
             outputs of matmuls, convolutions and attention and recomputes the
-            rest; a list of aten ops to keep, or a torch selective-checkpoint
-            policy function. Whatever it keeps, random streams are unchanged: a
-            kept op that draws random numbers (CUDA attention with dropout) still
-            advances the generator in recompute (NOTE in ``remat.core._rng``).
+            rest; a list of aten ops to keep, or a torch
+            selective-checkpoint policy function. For a module (or a bound
+            method of one), ``"selective"`` decides op by op on its first call
+            only; later calls recompute just its cheap submodules (norms,
+            activations) as regions of their own, with no per-op hook, and keep
+            what everything else saves, dropout masks included (more memory
+            than op by op where the
+            block's own code or a Linear saves a cheap output; NOTE in
+            ``remat.core._by_module``). Functions, op lists and policy functions
+            decide op by op on every call. Whatever it keeps, random streams are
+            unchanged: a kept op that draws random numbers (CUDA attention with
+            dropout) still advances the generator in recompute (NOTE in
+            ``remat.core._rng``).
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
         use_reentrant, context_fn, determinism_check, debug, early_stop: torch's
