@@ -156,6 +156,26 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
 _SNAPSHOT_BYTES = 64 * 1024
 
 
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
+    """The tensors in ``tree``: built-in containers walked directly (a pytree walk costs
+    tens of microseconds per block call), anything else through torch's pytree."""
+    kind = type(tree)
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif kind is tuple or kind is list:
+        for item in tree:
+            _collect_tensors(item, out)
+    elif kind is dict:
+        for item in tree.values():
+            _collect_tensors(item, out)
+    elif kind not in _SCALARS:
+        leaves, _ = torch.utils._pytree.tree_flatten(tree)
+        out.extend(t for t in leaves if isinstance(t, torch.Tensor))
+
+
 @dataclass(frozen=True)
 class Learned:
     """What the first forward of a checkpointed callable wrote (NOTE [Watching only when needed])."""
@@ -195,9 +215,9 @@ class Region:
         return self.learned is None or self.learned.writes_inputs
 
     def input_tensors(self) -> list[torch.Tensor]:
-        if self._inputs is None:  # flattened once: a block's kwargs are a deep tree (Hugging Face)
-            leaves, _ = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
-            self._inputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if self._inputs is None:  # found once per call: a block's kwargs are a tree (Hugging Face)
+            self._inputs = []
+            _collect_tensors((self.args, self.kwargs), self._inputs)
         return self._inputs
 
     # -- forward -------------------------------------------------------------
