@@ -207,8 +207,9 @@ class Region:
         self._inputs: list[torch.Tensor] | None = None
         inputs = self.input_tensors()
         self.input_versions: dict[int, int] = {id(t): t._version for t in inputs}
-        for t in inputs:
-            self.watched.setdefault(storage_key(t), t)
+        if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
+            for t in inputs:
+                self.watched.setdefault(storage_key(t), t)
 
     @property
     def watches_ops(self) -> bool:
