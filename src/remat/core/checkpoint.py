@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     _StopRecomputationError as _StopRecomputation,
@@ -104,11 +103,21 @@ def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_m
     return forward, Stacked(recompute, ReplayContext(ledger)) if replay_rng else recompute
 
 
-def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above.
-    leaves, _ = tree_flatten((args, kwargs))
-    devices = {t.device: None for t in leaves if isinstance(t, torch.Tensor)}
-    return [torch.empty(0, device=d) for d in devices]
+_MARKERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_markers(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above. A marker is
+    # never written or saved, so one per device serves every call; fake and meta runs get their own.
+    devices = {t.device: type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta" for t in inputs}
+    return [_marker(d) if plain else torch.empty(0, device=d) for d, plain in devices.items()]
+
+
+def _marker(device: torch.device) -> torch.Tensor:
+    marker = _MARKERS.get(device)
+    if marker is None:
+        marker = _MARKERS[device] = torch.empty(0, device=device)
+    return marker
 
 
 #: What each callable's first forward wrote, per training flag (see remat.core._region).
@@ -209,7 +218,7 @@ def _run_checkpointed(
             fwd = Stacked(fwd, recorder)
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
-    markers = _device_markers(args, kwargs)
+    markers = _device_markers(region.input_tensors())
     nested = _inside_saved_tensor_hooks()
 
     def run(_holder: Region, *tensors: torch.Tensor) -> Any:
