@@ -7,7 +7,7 @@ from torch import nn
 
 import remat
 import remat.core._region as region
-from remat.core._region import _CopyOnWrite
+from remat.core._contexts import _CopyOnWrite
 
 from conftest import assert_buffers_equal, assert_grads_equal, step, twin
 
