@@ -4,6 +4,7 @@ no dispatch mode after a block's first call, gradients bit-equal to no checkpoin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -167,3 +168,38 @@ def test_functions_and_op_lists_stay_op_level():
         remat.checkpoint(lambda t: spy(lin(t)), x, policy="selective").sum().backward()  # a function
         remat.checkpoint(spy, x, policy=[aten.addmm.default]).sum().backward()  # an op list
     assert all(m > 0 for m in spy.modes), spy.modes
+
+
+def test_selective_ops_stays_op_level_on_every_call_with_equal_gradients():
+    built = zoo.build("llama", **TINY["llama"])
+    ref = twin(built.model)
+    block = dict(built.model.named_modules())[built.blocks[0]]
+    spy = ModesSeen(block.input_layernorm)
+    block.input_layernorm = spy
+    ref_block = dict(ref.named_modules())[built.blocks[0]]
+    ref_block.input_layernorm = ModesSeen(ref_block.input_layernorm)
+    for name in built.blocks:
+        remat.wrap(dict(built.model.named_modules())[name], policy="selective-ops")
+    counter = RecomputedOps()
+    for seed in range(3):
+        expected = _lm_step(ref, built.inputs, seed)
+        assert torch.equal(_lm_step(built.model, built.inputs, seed, counter), expected)
+        assert_grads_equal(ref, built.model)
+    assert all(m > 0 for m in spy.modes), spy.modes  # forward and recompute, every step
+    assert not any(op in counter.ops for op in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu"))
+    assert counter.ops["rsqrt"] > 0 and counter.ops["silu"] > 0 and counter.ops["mul"] > 0
+
+
+def test_the_planner_weighs_both_selective_policies():
+    torch.manual_seed(0)
+    built = zoo.build("llama", **TINY["llama"])
+    prof = remat.profile(built.model, built.inputs, policies=("keep", "selective", "selective-ops", "full"),
+                         repeat=1)
+    every = {policy: {b: policy for b in built.blocks} for policy in ("selective", "selective-ops")}
+    # op by op recomputes the block's own ops too (rotary, the MLP's gate product): it keeps less
+    assert prof.predict_peak(every["selective-ops"]) < prof.predict_peak(every["selective"])
+    plan = remat.plan(prof, strategy="none")
+    plan = remat.Plan.from_json(dataclasses.replace(plan, assignment=every["selective-ops"]).to_json())
+    remat.apply(built.model, plan)
+    measured = remat.measure(built.model, built.inputs, warmup=1, repeat=1)
+    assert measured.peak_bytes == prof.predict_peak(every["selective-ops"])

@@ -44,8 +44,9 @@ __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Policies a block can have: keep everything, selective, or recompute everything.
-POLICIES = ("keep", "selective", "full")
+#: Policies a block can have: keep everything; selective (cheap submodules recomputed, NOTE in
+#: remat.core._by_module); selective-ops (op by op: leaner, a Python hook on every op); recompute everything.
+POLICIES = ("keep", "selective", "selective-ops", "full")
 
 _aten = torch.ops.aten
 #: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
@@ -79,7 +80,7 @@ def _policy_function(policy: Any) -> Callable[..., Any] | None:
     """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
     if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
         return None
-    if isinstance(policy, str) and policy == "selective":
+    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
         return _save_compute_intensive
     if isinstance(policy, (list, tuple, set, frozenset)):
         odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
@@ -293,8 +294,8 @@ def checkpoint(
             what everything else saves, dropout masks included (more memory
             than op by op where the
             block's own code or a Linear saves a cheap output; NOTE in
-            ``remat.core._by_module``). Functions, op lists and policy functions
-            decide op by op on every call. Whatever it keeps, random streams are
+            ``remat.core._by_module``). Functions, op lists, policy functions
+            and ``"selective-ops"`` decide op by op on every call. Whatever it keeps, random streams are
             unchanged: a kept op that draws random numbers (CUDA attention with
             dropout) still advances the generator in recompute (NOTE in
             ``remat.core._rng``).
