@@ -31,7 +31,7 @@ embeddings, the MLP's gate product) and autocast's copies keep what they save, w
 op-level selective recomputes them; op-level keeps every matmul output, needed or not,
 where this keeps only what is saved. Fake H100 profiles, every block selective: GPT-2
 12x768 fp32 8335 MiB by module against 8479 op by op, Llama 16x2048 fp32 20694 against
-19350, bf16 autocast 8271 against 7101 and 11781 against 9579.
+19350, bf16 autocast 7407 against 7101 and 10501 against 9579.
 
 NOTE [A region as saved-tensor hooks]
 A region runs its module's forward normally, with its graph, under saved-tensor hooks:
@@ -235,6 +235,8 @@ class _Frame:
         self.consumers -= 1
         if self.consumers <= 0:
             self.output = None
+        if view.dtype is not None:  # a copy in another dtype (autocast's), made again: fresh, from offset 0
+            return out.to(view.dtype).as_strided(view.size, view.stride, view.offset)
         return out.as_strided(view.size, view.stride, out.storage_offset() + view.offset)
 
     @staticmethod
@@ -318,8 +320,11 @@ def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]
 # (``_OutputView``: the region and the view's geometry), and the region drops its own
 # copies too. The first consumer to unpack in backward reruns the region once (its
 # inputs stay for that: alive anyway where the region saves them, as a norm does) and
-# the output is let go after the last consumer's unpack. Region calls inside the
-# block push their own hooks on top, so they never see these.
+# the output is let go after the last consumer's unpack. Under autocast a Linear saves
+# its own copy of the output in the autocast dtype: a saved tensor whose autograd
+# history is views of such a copy (``ToCopyBackward0`` of a region output) is made
+# again the same way, so it is not kept either. Region calls inside the block push
+# their own hooks on top, so they never see these.
 @dataclass(frozen=True)
 class _OutputView:
     """A consumer's saved tensor on a region's output: the region and where in its output it looks."""
@@ -328,6 +333,15 @@ class _OutputView:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    dtype: torch.dtype | None = None
+    """Set when the consumer saved a copy of the output in this dtype (autocast), not the output itself."""
+
+
+#: autograd nodes of views that keep a contiguous tensor's element order
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+#: autograd nodes of views: a tensor they made shares its input's storage
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
+                    "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "SliceBackward0"})
 
 
 class _Outputs:
@@ -335,18 +349,41 @@ class _Outputs:
 
     def __init__(self) -> None:
         self.frames: dict[int, tuple[_Frame, int, weakref.ref]] = {}
+        self.nodes: dict[int, tuple[_Frame, Any, bool]] = {}
 
     def register(self, frame: _Frame, out: torch.Tensor) -> None:
         self.frames[storage_key(out)] = (frame, out.storage_offset(), weakref.ref(out))
+        self.nodes[id(out.grad_fn)] = (frame, out.grad_fn, out.is_contiguous())
 
     def pack(self, t: torch.Tensor) -> Any:
         found = self.frames.get(storage_key(t))
         # A storage key is an address: once the output is gone the allocator may hand it to another tensor.
-        if found is None or found[2]() is None:
+        if found is not None and found[2]() is not None:
+            frame, base, _ = found
+            frame.consumers += 1
+            return _OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base)
+        frame = self._copied_from(t)
+        if frame is None:
             return t
-        frame, base, _ = found
         frame.consumers += 1
-        return _OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base)
+        return _OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def _copied_from(self, t: torch.Tensor) -> _Frame | None:
+        """The region whose output ``t`` is a dtype copy of (through views), if any."""
+        node, hops = t.grad_fn, 0
+        while node is not None and hops < 4 and type(node).__name__ in _VIEWS:
+            node, hops = node.next_functions[0][0], hops + 1
+        if node is None or type(node).__name__ != "ToCopyBackward0":
+            return None
+        source, reshaped = node.next_functions[0][0], False
+        # a copy of a reshape of a contiguous output (GPT-2's Conv1D casts x.view(-1, h)) has its elements
+        # in the output's order: the copy of the whole output, read through the saved geometry, is the same
+        while source is not None and type(source).__name__ in _RESHAPES:
+            source, reshaped = source.next_functions[0][0], True
+        found = self.nodes.get(id(source))
+        if found is None or found[1] is not source or (reshaped and not found[2]):
+            return None
+        return found[0]
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
