@@ -294,12 +294,23 @@ def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tu
     return assignment, tuple(segments)
 
 
+def _peak(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> int:
+    """The predicted peak of ``nodes``: the walk of NOTE [The nested peak model], or for a plan without segments
+    (one policy per block, ``full-fine`` among them) the profile's own peak model, which also moves storages that
+    cross blocks (Llama's rotary tables: the walk is 256 bytes under there)."""
+    if any(node.end is not None for node in nodes):
+        return simulate(c, nodes)
+    return profile.predict_peak(to_plan(c, nodes)[0])
+
+
 def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     """The lowest predicted peak of a nested plan (cached on the profile), or None without a nested view."""
     cached = profile.__dict__.get("_remat_nested_floor", False)
     if cached is False:
         c = costs_of(profile)
         cached = None if c is None else lowest_nested(c, c.chain.pre_peak, profile.baseline_peak_bytes)
+        if cached is not None:
+            cached = (_peak(profile, c, cached[1]), cached[1])
         profile.__dict__["_remat_nested_floor"] = cached
     return cached
 
@@ -315,7 +326,7 @@ def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tup
     fits = []
     for scale in _SCALES:
         trial = solve_nested(c, int(limit * scale))
-        if trial is not None and simulate(c, trial[0]) <= limit:
+        if trial is not None and _peak(profile, c, trial[0]) <= limit:
             fits.append((trial[1], trial[0]))
     floor = nested_floor(profile)
     if floor is not None and floor[0] <= limit:
@@ -324,4 +335,4 @@ def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tup
         return None
     found = min(fits, key=lambda t: t[0])[::-1]
     assignment, segments = to_plan(c, found[0])
-    return assignment, segments, simulate(c, found[0]), extra_time(c, found[0])
+    return assignment, segments, _peak(profile, c, found[0]), extra_time(c, found[0])

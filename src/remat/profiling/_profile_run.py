@@ -19,6 +19,7 @@ from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, t
 from remat.core._state import capture
 from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
+from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, wrap
 from remat.core.measure import device_of
 from remat.errors import RematError
@@ -86,12 +87,15 @@ class _Policies:
     def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
         modules = dict(model.named_modules())
         self.blocks = [modules[n] for n in names]
-        self.saved = [(m, m.__dict__.get("forward")) for m in self.blocks]
+        touched = self.blocks + [c for m in self.blocks for c in inner_layers(m)]  # full-fine wraps those too
+        self.saved = [(m, m.__dict__.get("forward")) for m in touched]
 
     def set(self, policy: str) -> None:
         self.restore()
-        if policy != "keep":
-            for m in self.blocks:
+        for m in self.blocks:
+            if policy == FINE:
+                wrap_fine(m)
+            elif policy != "keep":
                 wrap(m, policy=policy)
 
     def restore(self) -> None:
@@ -385,7 +389,8 @@ def _crowded(per_policy: dict[str, dict[tuple, dict]]) -> set:
 
 def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:
     policies = tuple(dict.fromkeys(["keep", *policies]))
-    bad = [p for p in policies if p not in POLICIES]
+    known = (*POLICIES, FINE)
+    bad = [p for p in policies if p not in known]
     if bad:
-        raise RematError(f"remat.profile: unknown policies {bad}; choose from {list(POLICIES)}.")
+        raise RematError(f"remat.profile: unknown policies {bad}; choose from {list(known)}.")
     return policies
