@@ -125,3 +125,14 @@ def test_plan_json_and_profile_json_keep_full_fine(zoo_and_profile):
     assert remat.Profile.from_json(prof.to_json()).policies == POLICIES
     with pytest.raises(remat.RematError, match="full-fine"):
         remat.profile(zoo.model, zoo.inputs, policies=("full-finer",))
+
+
+def test_a_fake_profile_predicts_full_fine_as_the_real_one():
+    zoo = _zoo("gpt2")
+    real = remat.profile(zoo.model, zoo.inputs, policies=("full", "full-fine"), repeat=1)
+    fake = remat.profile(zoo.model, zoo.inputs, policies=("full", "full-fine"), fake=True)
+    for policy in ("full", "full-fine"):
+        assignment = {b.name: policy for b in real.blocks}
+        assert fake.predict_peak(assignment) == real.predict_peak(assignment)
+    # recomputing the block and then its sub-layers: more than one forward, at most two
+    assert all(b.extra_time_s["full"] < b.extra_time_s["full-fine"] <= 2 * b.extra_time_s["full"] for b in fake.blocks)

@@ -167,6 +167,12 @@ def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str,
     return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "full": fwd_s}
 
 
+def _fine_recompute_share(flops: dict[str, dict[Key, int]], bwd_keys: list[Key]) -> float:
+    """Fake profiles: ``full-fine``'s recompute FLOPs over ``full``'s (its time: the block's forward times that)."""
+    extra = {p: sum(flops[p][k] - flops["keep"][k] for k in bwd_keys) for p in ("full", FINE) if p in flops}
+    return extra[FINE] / extra["full"] if extra.get("full", 0) > 0 else 2.0  # at most two forwards
+
+
 def _block_profiles(
     names: Sequence[str],
     segments: dict[str, dict[Key, SegmentCost]],
@@ -196,6 +202,8 @@ def _block_profiles(
         fwd_s = total("keep", fwd_keys, "seconds")
         if recompute is None:
             extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys])
+            if FINE in policies:
+                extra[FINE] = fwd_s * _fine_recompute_share(flops, bwd_keys)
         else:
             measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
                         for p in policies}
