@@ -61,7 +61,8 @@ def _where(prof: remat.Profile, policy: str) -> str:
     key, live, top = max(timeline, key=lambda t: t[2])
     glue = max((t for t in timeline if t[0][1] is None), key=lambda t: t[2])
     mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
-    return (f"every block {policy}: peak {mib(top)} MiB in {key[0]} of {key[1] or 'glue'} = resting {mib(prof.resting_bytes)}"
+    return (f"every block {policy}: peak {mib(top)} MiB in {key[0]} of {key[1] or 'glue'} = "
+            f"resting {mib(prof.resting_bytes)}"
             f" + live above resting at its start {mib(live - prof.resting_bytes)} (gradients so far, kept inputs)"
             f" + the segment's own {mib(top - live)}; highest glue peak {mib(glue[2])} MiB ({glue[0][0]} glue "
             f"{glue[0][2]}: embedding, head, loss)")

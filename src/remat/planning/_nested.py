@@ -143,8 +143,9 @@ def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
 
 
 def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
-    """out[r, m] = values[r, m - by[r]] (``values[m - by[r]]`` for one row of values): each row's rest gets ``by[r]`` units less (more, for ``by`` < 0: clamped
-    to the top, which costs at least as much, so on the safe side); inf where nothing is left."""
+    """out[r, m] = values[r, m - by[r]] (``values[m - by[r]]`` for one row of values): each row's rest gets
+    ``by[r]`` units less (more, for ``by`` < 0: clamped to the top, which costs at least as much, so on the
+    safe side); inf where nothing is left."""
     size = values.shape[-1]
     index = np.arange(size)[None, :] - by[:, None]
     clipped = np.minimum(np.maximum(index, 0), size - 1)
