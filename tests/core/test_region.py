@@ -7,7 +7,7 @@ from torch import nn
 
 import remat
 import remat.core._region as region
-from remat.core._region import _CopyOnWrite
+from remat.core._contexts import _CopyOnWrite
 
 from conftest import assert_buffers_equal, assert_grads_equal, step, twin
 
@@ -151,3 +151,51 @@ def test_the_wrapped_modules_own_buffers_change_once():
         step(model, x, seed=seed)
     assert_buffers_equal(ref, model)
     assert int(model[1].num_batches_tracked) == 3
+
+
+class _Switch(nn.Module):
+    """A block whose BatchNorm runs only when asked: the first call never enters it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.use_bn = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        return self.bn(y) if self.use_bn else y
+
+
+def test_later_calls_install_no_hook_on_every_submodule(monkeypatch):
+    # The module-wide forward pre-hook costs host time on every submodule call (issue #16):
+    # only the first call of a module's forward may install it.
+    installs = [0]
+    register = nn.modules.module.register_module_forward_pre_hook
+
+    def counting(hook):
+        installs[0] += 1
+        return register(hook)
+
+    monkeypatch.setattr(nn.modules.module, "register_module_forward_pre_hook", counting)
+    torch.manual_seed(0)
+    ref = nn.Sequential(_bn_block(), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(4, 3, 8, 8)
+    ref(x)
+    model = twin(ref)
+    remat.wrap(model[0])
+    _steps_match(ref, model, x, 3)
+    assert installs[0] == 1
+    assert int(model[0][1].num_batches_tracked) == 3 + 1
+
+
+def test_a_buffer_first_entered_on_a_later_call_still_changes_once():
+    torch.manual_seed(0)
+    ref = _Switch()
+    model = twin(ref)
+    remat.wrap(model)
+    x = torch.randn(5, 6)
+    _steps_match(ref, model, x, 1)  # learns a forward that enters no module with buffers
+    ref.use_bn = model.use_bn = True
+    _steps_match(ref, model, x, 3)
+    assert int(model.bn.num_batches_tracked) == 3

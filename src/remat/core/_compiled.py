@@ -124,9 +124,16 @@ def quiet_torch_notice() -> None:
     worries the user. Called from eager code (wrap, an eager checkpoint): a filter added
     while dynamo traces would be a graph break.
     """
+    global _quieted
+    if _quieted:  # once per process: getLogger on every block call is measurable host time
+        return
     logger = logging.getLogger("torch._higher_order_ops.wrap")
     if _not_context_fn_notice not in logger.filters:
         logger.addFilter(_not_context_fn_notice)
+    _quieted = True
+
+
+_quieted = False
 
 
 def run_compiled(

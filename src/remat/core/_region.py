@@ -30,6 +30,15 @@ of buffers left unwritten are dropped at the end of the forward, and version
 counters check that nothing unwatched was written; if something was, the call
 fails with a RematError (its earlier value is gone) and the next call watches
 every op again.
+
+Where the checkpointed callable is a module's forward, later forwards also go
+without the module-wide forward pre-hook that finds the modules entered: every
+submodule call would pay for it (issue #16: host time per block call shows on
+fast GPUs). The modules with buffers that the first call entered, and every one
+under the checkpointed module, are watched from the start of the forward
+instead; the values copied there are the ones the recomputation must start
+from. A module with buffers outside the checkpointed one, entered only by later
+calls, is the one case this does not watch.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.core._timing import WallClock
 
@@ -98,6 +106,24 @@ def recompute_observer(
         _observer.pop()
 
 
+@contextlib.contextmanager
+def observed_recomputation(owner: nn.Module | None) -> Iterator[None]:
+    """One recomputation of ``owner``'s forward: ``is_recomputing()`` inside, told to the observer when
+    outermost (a region inside another's recomputation is in the outer's time)."""
+    depth = getattr(_local, "recomputing", 0)
+    _local.recomputing = depth + 1
+    observer = _observer[-1] if depth == 0 and _observer else None
+    if observer is not None and observer[2] is not None:
+        observer[2](owner)
+    start = observer[1].mark() if observer is not None else None
+    try:
+        yield
+    finally:
+        _local.recomputing -= 1
+        if observer is not None:
+            observer[0](start, observer[1].mark())
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal``; fake tensors (a fake profile) have no values to compare, and count as written,
     as the buffers they stand for are (batch-norm running statistics) on real tensors."""
@@ -147,6 +173,26 @@ def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
 _SNAPSHOT_BYTES = 64 * 1024
 
 
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
+    """The tensors in ``tree``: built-in containers walked directly (a pytree walk costs
+    tens of microseconds per block call), anything else through torch's pytree."""
+    kind = type(tree)
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif kind is tuple or kind is list:
+        for item in tree:
+            _collect_tensors(item, out)
+    elif kind is dict:
+        for item in tree.values():
+            _collect_tensors(item, out)
+    elif kind not in _SCALARS:
+        leaves, _ = torch.utils._pytree.tree_flatten(tree)
+        out.extend(t for t in leaves if isinstance(t, torch.Tensor))
+
+
 @dataclass(frozen=True)
 class Learned:
     """What the first forward of a checkpointed callable wrote (NOTE [Watching only when needed])."""
@@ -155,6 +201,8 @@ class Learned:
     """It wrote in place to one of its inputs: keep watching every op."""
     written_buffers: frozenset[tuple[int, str]]
     """(id(module), buffer name) of the buffers it wrote."""
+    buffer_modules: tuple[weakref.ref, ...] = ()
+    """The modules with buffers it entered, and those under the checkpointed module: watched from the start."""
 
 
 class Region:
@@ -172,24 +220,30 @@ class Region:
         self.before: dict[int, torch.Tensor] = {}
         self.buffers: dict[int, list[tuple[weakref.ref, str]]] = {}
         self.entry_versions: dict[int, int] = {}
+        self.buffer_modules: dict[int, nn.Module] = {}
+        self._inputs: list[torch.Tensor] | None = None
         inputs = self.input_tensors()
         self.input_versions: dict[int, int] = {id(t): t._version for t in inputs}
-        for t in inputs:
-            self.watched.setdefault(storage_key(t), t)
+        if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
+            for t in inputs:
+                self.watched.setdefault(storage_key(t), t)
 
     @property
     def watches_ops(self) -> bool:
         return self.learned is None or self.learned.writes_inputs
 
     def input_tensors(self) -> list[torch.Tensor]:
-        leaves, _ = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
-        return [t for t in leaves if isinstance(t, torch.Tensor)]
+        if self._inputs is None:  # found once per call: a block's kwargs are a tree (Hugging Face)
+            self._inputs = []
+            _collect_tensors((self.args, self.kwargs), self._inputs)
+        return self._inputs
 
     # -- forward -------------------------------------------------------------
     def watch_buffers(self, module: nn.Module) -> None:
         for name, buf in module._buffers.items():
             if buf is None:
                 continue
+            self.buffer_modules[id(module)] = module
             key = storage_key(buf)
             if key not in self.watched:
                 self.watched[key] = buf
@@ -222,7 +276,14 @@ class Region:
         if self.learned is not None:
             return None
         written = {(id(ref()), name) for owners in self.buffers.values() for ref, name in owners if ref() is not None}
-        return Learned(any(storage_key(t) in self.before for t in inputs), frozenset(written))
+        return Learned(any(storage_key(t) in self.before for t in inputs), frozenset(written), self._buffer_module_refs())
+
+    def _buffer_module_refs(self) -> tuple[weakref.ref, ...]:
+        below = self.owner.modules() if self.owner is not None else ()
+        for module in below:
+            if any(b is not None for b in module._buffers.values()):
+                self.buffer_modules.setdefault(id(module), module)
+        return tuple(weakref.ref(m) for m in self.buffer_modules.values())
 
     def _check_unwatched_writes(self, inputs: list[torch.Tensor]) -> None:
         from remat.errors import RematError
@@ -249,6 +310,7 @@ class Region:
                 self.watched.pop(key, None)
             leaves[i] = None
         self._leaves = leaves
+        self._inputs = None
         self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
     def restore_inputs(self, tensors: tuple) -> None:
@@ -256,11 +318,16 @@ class Region:
         leaves = list(self._leaves)
         for i, t in zip(self._slots, tensors):
             leaves[i] = t
+        self._inputs = None
         self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
     # -- recompute -----------------------------------------------------------
     def recompute_inputs(self) -> tuple[tuple, dict]:
         from remat.errors import RematError
+
+        if not self.before and all(t._version == self.input_versions.get(id(t), t._version)
+                                   for t in self.input_tensors()):
+            return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
 
         def fresh(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -298,99 +365,3 @@ class Region:
         finally:
             for module, name, original in reversed(swapped):
                 module._buffers[name] = original
-
-
-class _CopyOnWrite(TorchDispatchMode):
-    """Copies a watched storage right before the first op that writes to it."""
-
-    def __init__(self, region: Region) -> None:
-        super().__init__()
-        self.region = region
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        for t in _written_tensors(func, args, kwargs):
-            self.region.note_write(t)
-        return func(*args, **kwargs)
-
-
-class ForwardContext:
-    """Entered around the checkpointed forward: watch buffers, keep values before writes.
-
-    ``remember(learned)`` is told what a first call wrote, and ``None`` when a call
-    without the dispatch mode met a write it did not expect (forget, watch again).
-    """
-
-    def __init__(self, region: Region, remember: Callable[[Learned | None], None] | None = None) -> None:
-        self.region = region
-        self.remember = remember or (lambda learned: None)
-        self._stack: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        hook = nn.modules.module.register_module_forward_pre_hook(
-            lambda module, _args: self.region.watch_buffers(module)
-        )
-        stack.callback(hook.remove)
-        if self.region.watches_ops:
-            stack.enter_context(_CopyOnWrite(self.region))
-        if self.region.owner is not None:
-            self.region.watch_buffers(self.region.owner)
-        self._stack = stack
-
-    def __exit__(self, exc_type, *exc) -> None:  # noqa: ANN001
-        self._stack.close()
-        if exc_type is None:
-            try:
-                learned = self.region.finish_forward()
-            except Exception:
-                self.remember(None)
-                raise
-            if learned is not None:
-                self.remember(learned)
-
-
-class RecomputeContext:
-    """Entered around every recomputation (more than one with ``retain_graph=True``)."""
-
-    def __init__(self, region: Region) -> None:
-        self.region = region
-        self._stacks: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        depth = getattr(_local, "recomputing", 0)
-        _local.recomputing = depth + 1
-        observer = _observer[-1] if depth == 0 and _observer else None  # nested: inside the outer's time
-        if observer is not None and observer[2] is not None:
-            observer[2](self.region.owner)
-        start = observer[1].mark() if observer is not None else None
-
-        def done() -> None:
-            _local.recomputing -= 1
-            if observer is not None:
-                observer[0](start, observer[1].mark())
-
-        stack.callback(done)
-        stack.enter_context(self.region.swapped_buffers())
-        self._stacks.append(stack)
-
-    def __exit__(self, *exc) -> None:  # noqa: ANN001
-        self._stacks.pop().close()
-
-
-class Stacked:
-    """Re-enterable composition of context managers (torch reuses the recompute context)."""
-
-    def __init__(self, *contexts: Any) -> None:
-        self.contexts = contexts
-        self._stacks: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        for c in self.contexts:
-            stack.enter_context(c)
-        self._stacks.append(stack)
-
-    def __exit__(self, *exc) -> bool | None:  # noqa: ANN001
-        return self._stacks.pop().__exit__(*exc)

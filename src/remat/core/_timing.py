@@ -9,9 +9,11 @@ profile's own interleaved timed steps.
   the cost of rerunning a block, with selective checkpointing's cache lookups and
   torch's early stop, is a measured median, not a model.
 * A slower forward. Under a policy the forward itself costs more: the
-  checkpoint call, and for selective checkpointing torch's caching dispatch
-  mode, which sees every op (tens of microseconds per op on CPU, more on large
-  convolutions than on tiny ops, so it is not calibrated on tiny ops). The
+  checkpoint call, and for op-level selective checkpointing torch's caching
+  dispatch mode, which sees every op (tens of microseconds per op on CPU, more on
+  large convolutions than on tiny ops, so it is not calibrated on tiny ops); a
+  module's "selective" runs op-level only on its first call, later ones pay their
+  regions' saved-tensor hooks (NOTE [Selective by module]). The
   forward times of all blocks are pooled into one slowdown per policy
   (sum of per-block medians under the policy over the sum without
   checkpointing), and each block is charged that fraction of its own forward.

@@ -109,6 +109,9 @@ def read_torch_options(
     early_stop: bool | None,
 ) -> tuple[Any, CallOptions]:
     """The policy and options a torch-style call means (NOTE above); RematError for what remat refuses."""
+    if (use_reentrant is None and context_fn is None and determinism_check == "default" and debug is None
+            and early_stop is None and not getattr(tuc, "_checkpoint_debug_enabled", None)):
+        return policy, DEFAULT  # every block call of an applied plan: no checks, no new options object
     if use_reentrant not in (None, False):
         raise RematError(
             f"remat.checkpoint: use_reentrant={use_reentrant!r} is refused: remat is always non-reentrant, because "

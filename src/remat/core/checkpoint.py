@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     _StopRecomputationError as _StopRecomputation,
@@ -33,8 +32,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
-from remat.core._region import ForwardContext, Learned, RecomputeContext, Region, Stacked
+from remat.core._contexts import ForwardContext, RecomputeContext, Stacked
+from remat.core._region import Learned, Region
 from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
 from remat.errors import RecomputeError, RematError
@@ -43,8 +44,9 @@ __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Policies a block can have: keep everything, selective, or recompute everything.
-POLICIES = ("keep", "selective", "full")
+#: Policies a block can have: keep everything; selective (cheap submodules recomputed, NOTE in
+#: remat.core._by_module); selective-ops (op by op: leaner, a Python hook on every op); recompute everything.
+POLICIES = ("keep", "selective", "selective-ops", "full")
 
 _aten = torch.ops.aten
 #: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
@@ -78,7 +80,7 @@ def _policy_function(policy: Any) -> Callable[..., Any] | None:
     """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
     if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
         return None
-    if isinstance(policy, str) and policy == "selective":
+    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
         return _save_compute_intensive
     if isinstance(policy, (list, tuple, set, frozenset)):
         odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
@@ -103,15 +105,27 @@ def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_m
     return forward, Stacked(recompute, ReplayContext(ledger)) if replay_rng else recompute
 
 
-def _device_markers(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above.
-    leaves, _ = tree_flatten((args, kwargs))
-    devices = {t.device: None for t in leaves if isinstance(t, torch.Tensor)}
-    return [torch.empty(0, device=d) for d in devices]
+_MARKERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_markers(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above. A marker is
+    # never written or saved, so one per device serves every call; fake and meta runs get their own.
+    devices = {t.device: type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta" for t in inputs}
+    return [_marker(d) if plain else torch.empty(0, device=d) for d, plain in devices.items()]
+
+
+def _marker(device: torch.device) -> torch.Tensor:
+    marker = _MARKERS.get(device)
+    if marker is None:
+        marker = _MARKERS[device] = torch.empty(0, device=device)
+    return marker
 
 
 #: What each callable's first forward wrote, per training flag (see remat.core._region).
 _LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Each callable's cheap submodules under "selective", per training flag (remat.core._by_module).
+_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
@@ -124,17 +138,17 @@ def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
     return fn, (None, getattr(fn, "training", None))
 
 
-def _learned_memo(fn: Callable) -> tuple[Learned | None, Callable[[Learned | None], None]]:
+def _learned_memo(fn: Callable, memo: weakref.WeakKeyDictionary = _LEARNED) -> tuple[Any, Callable[[Any], None]]:
     key = _memo_key(fn)
     try:
-        table = _LEARNED.get(key[0]) if key is not None else None
+        table = memo.get(key[0]) if key is not None else None
     except TypeError:  # not weakly referenceable or not hashable
         key = table = None
     if key is None:
         return None, lambda learned: None
 
-    def remember(learned: Learned | None) -> None:
-        _LEARNED.setdefault(key[0], {})[key[1]] = learned
+    def remember(learned: Any) -> None:
+        memo.setdefault(key[0], {})[key[1]] = learned
 
     return (table or {}).get(key[1]), remember
 
@@ -179,9 +193,19 @@ def _inside_saved_tensor_hooks() -> bool:
 def _run_checkpointed(
     fn: Callable, policy: Any, preserve_rng_state: bool, args: tuple, kwargs: dict, options: CallOptions = DEFAULT
 ) -> Any:
-    learned, remember = _learned_memo(fn)
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-    region = Region(args, kwargs, learned, owner if isinstance(owner, nn.Module) else None)
+    owner = owner if isinstance(owner, nn.Module) else None
+    recorder, remember_structure = None, None
+    if (owner is not None and isinstance(policy, str) and policy == "selective" and options.contexts is None
+            and by_module_allowed() and not _inside_saved_tensor_hooks()):
+        structure, remember_structure = _learned_memo(fn, _STRUCTURES)  # NOTE in remat.core._by_module
+        regions = structure.live() if structure is not None else None
+        if regions:
+            return run_by_module(fn, regions, args, kwargs, owner)
+        if regions is None:
+            recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
+    learned, remember = _learned_memo(fn)
+    region = Region(args, kwargs, learned, owner)
     policy_fn = _policy_function(policy)
     phase = {"forward": True}
 
@@ -192,9 +216,11 @@ def _run_checkpointed(
             fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options.allow_cache_entry_mutation)
         if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
             fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
+        if recorder is not None:
+            fwd = Stacked(fwd, recorder)
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
-    markers = _device_markers(args, kwargs)
+    markers = _device_markers(region.input_tensors())
     nested = _inside_saved_tensor_hooks()
 
     def run(_holder: Region, *tensors: torch.Tensor) -> Any:
@@ -230,6 +256,8 @@ def _run_checkpointed(
         )
     if nested:
         region.release_inputs()
+    if recorder is not None:
+        remember_structure(recorder.structure())
     return out
 
 
@@ -258,10 +286,19 @@ def checkpoint(
             ``remat.checkpoint(policy=...)`` returns a decorator.
         policy: ``"full"`` recomputes everything; ``"selective"`` keeps the
             outputs of matmuls, convolutions and attention and recomputes the
-            rest; a list of aten ops to keep, or a torch selective-checkpoint
-            policy function. Whatever it keeps, random streams are unchanged: a
-            kept op that draws random numbers (CUDA attention with dropout) still
-            advances the generator in recompute (NOTE in ``remat.core._rng``).
+            rest; a list of aten ops to keep, or a torch
+            selective-checkpoint policy function. For a module (or a bound
+            method of one), ``"selective"`` decides op by op on its first call
+            only; later calls recompute just its cheap submodules (norms,
+            activations) as regions of their own, with no per-op hook, and keep
+            what everything else saves, dropout masks included (more memory
+            than op by op where the
+            block's own code or a Linear saves a cheap output; NOTE in
+            ``remat.core._by_module``). Functions, op lists, policy functions
+            and ``"selective-ops"`` decide op by op on every call. Whatever it keeps, random streams are
+            unchanged: a kept op that draws random numbers (CUDA attention with
+            dropout) still advances the generator in recompute (NOTE in
+            ``remat.core._rng``).
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
         use_reentrant, context_fn, determinism_check, debug, early_stop: torch's

@@ -37,7 +37,7 @@ from remat.core._step import LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._profile_run import _assemble, _Policies, traced_step, young_collections
+from remat.profiling._profile_run import _assemble, _Policies, learn_structure, traced_step, young_collections
 from remat.profiling._shadow import ValueShadows
 from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
@@ -114,6 +114,7 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
             for policy in policies:
                 switch.set(policy)
                 with mode, shadows:
+                    learn_structure(model, fake_inputs, policy)
                     traced[policy], io, _, ledgers[policy] = traced_step(
                         model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace
                     )

@@ -12,12 +12,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.core._hf import cache_disabled
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture
-from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
+from remat.core._step import LossFn, call_model, input_tensors, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, wrap
@@ -106,6 +107,19 @@ class _Policies:
                 m.__dict__["forward"] = forward
 
 
+def learn_structure(model: nn.Module, inputs: Any, policy: str) -> None:
+    """Run the forward once under ``policy`` when it is "selective", untraced.
+
+    A block's first selective call learns its cheap submodules op-level and later calls take the fast path
+    (NOTE [Selective by module] in remat.core._by_module): the traced step must be a later call, as every
+    step of the applied plan is, or the profile would predict the op-level policy's memory. A forward is
+    enough to learn; the caller restores what it changed (buffers, RNG).
+    """
+    if policy == "selective":
+        with torch.enable_grad():
+            call_model(model, inputs)
+
+
 def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder) -> None:
     model.zero_grad(set_to_none=True)
     recorder.begin("fwd", None)
@@ -164,7 +178,9 @@ def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str,
     """Fake profiles: recomputing the forward, or the ops selective does not keep, at the target's speed."""
     op_s = sum(s.op_s for s in fwd_segments)
     kept = sum(s.save_op_s for s in fwd_segments) / op_s if op_s > 0 else 0.0
-    return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "full": fwd_s}
+    # Both selective policies recompute the same ops here: the host time per op that sets them apart
+    # (NOTE in remat.core._by_module) is not modelled for a target.
+    return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "selective-ops": fwd_s * (1.0 - kept), "full": fwd_s}
 
 
 def _fine_recompute_share(flops: dict[str, dict[Key, int]], bwd_keys: list[Key]) -> float:
@@ -251,6 +267,10 @@ def run_profile(
             crossings: dict[str, Ledger] = {}
             for policy in policies:
                 switch.set(policy)
+                if policy == "selective":
+                    with phases.timing("learning"):
+                        learn_structure(model, inputs, policy)
+                    state.restore()
                 with phases.timing("traced"):
                     traced[policy], io, resting[policy], crossings[policy] = traced_step(model, inputs, loss_fn,
                                                                                          names)

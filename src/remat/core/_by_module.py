@@ -1,0 +1,333 @@
+"""The selective policy without a per-op hook: cheap submodules recomputed as regions of their own.
+
+NOTE [Selective by module]
+Op-level selective checkpointing (torch's selective-checkpoint dispatch mode) runs a
+Python ``__torch_dispatch__`` on every op of the block, in forward and in recompute:
+tens of microseconds per op. Where steps are fast (bf16 on a GPU, small layers, tiny
+tensors on CPU) that costs more than recomputing everything (Llama 4x1024 bf16 on an
+H100: selective 3.12x, full 1.91x).
+
+Most blocks have module structure that says the same thing for free. The first
+selective call of a block still runs op-level (correct whatever the block is) and,
+beside it, notes with module hooks which submodules ran a compute-intensive op
+(``SAVE_OPS``) or drew random numbers (a dropout mask is cheaper to keep than to
+recompute) and which ran only cheap ops (norms, activations): ``Structure``. Every
+later call runs the block with no dispatch mode: the outermost cheap submodules each
+run as a small region (``_Frame``), everything else runs as it would without
+checkpointing and keeps what it saves. The block itself is never recomputed.
+
+A submodule is not made a region when it writes in place to its inputs, returns one
+of them, returns something other than one tensor that requires grad, or only reshapes
+(views are free). Buffers a region wrote on the first call (BatchNorm's statistics) are
+copied before each forward and swapped in while it recomputes, so they change once per
+step and the recompute sees what the forward saw. A block with no cheap submodule, or
+that is cheap as a whole, stays op-level; so do op lists, policy functions and plain
+functions (no modules to use).
+
+Memory: a Linear after a cheap region saves that region's output for its weight
+gradient, and ops written in the block's own forward (residual adds, rotary
+embeddings, the MLP's gate product) keep what they save, where op-level selective
+recomputes them: the fast path keeps more than op-level, less than keep.
+
+NOTE [A region as saved-tensor hooks]
+A region runs its module's forward normally, with its graph, under saved-tensor hooks:
+a tensor autograd saves that shares storage with an input, parameter or buffer, or with
+the region's output, is kept (alive anyway, or saved by the next Linear too), any other
+is dropped for an index; the first unpack reruns the forward
+(grad on, inputs detached with their ``requires_grad``, autocast and buffers as in the
+forward) and hands out the tensors it saved, in order. The graph is the
+un-checkpointed one, so parameters get gradients whatever the inputs'
+``requires_grad`` (the seed bug) and gradients are bit-equal: a custom autograd
+Function recomputing the module was not, as it sums a norm's input gradient in
+another order (Llama's RMSNorm input feeds three ops and the residual). Only the few
+tensors the cheap module saves pass through Python; the Linear and attention ops do
+not. Inside another checkpoint's saved-tensor hooks (a nested plan) a block stays
+op-level: these hooks would hide the region's tensors from the outer checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.core._region import _bookkeeping, _written_tensors, observed_recomputation, storage_key
+from remat.core._rng import draws_random
+
+Writes = tuple[tuple[weakref.ref, str], ...]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def op_level_selective() -> Iterator[None]:
+    """Within: "selective" runs op-level on every call, as before #16 (the H100 ground truth's selective
+    rows were measured so; they are compared with profiles made this way until re-measured on a GPU)."""
+    _local.op_level = getattr(_local, "op_level", 0) + 1
+    try:
+        yield
+    finally:
+        _local.op_level -= 1
+
+
+def by_module_allowed() -> bool:
+    """False inside :func:`op_level_selective`."""
+    return not getattr(_local, "op_level", 0)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a block's first selective call learned (NOTE [Selective by module])."""
+
+    regions: tuple[tuple[weakref.ref, Writes], ...]
+    """The outermost cheap submodules, each with the buffers (module, name) it wrote."""
+
+    def live(self) -> list[tuple[nn.Module, Writes]] | None:
+        """The region modules, or None when one of them is gone (learn again)."""
+        out = [(ref(), writes) for ref, writes in self.regions]
+        return None if any(m is None for m, _ in out) else out
+
+
+@dataclass
+class _Seen:
+    """One submodule's calls during the learning forward."""
+
+    module: nn.Module
+    heavy: bool = False
+    work: bool = False
+    unfit: bool = False
+    ancestors: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
+    buffers: set[tuple[weakref.ref, str]] = field(default_factory=set)
+
+
+def _tensor_keys(value: Any) -> set[int]:
+    leaves, _ = tree_flatten(value)
+    return {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
+
+
+class StructureRecorder(TorchDispatchMode):
+    """Entered around a block's first selective forward: which submodules are cheap."""
+
+    def __init__(self, owner: nn.Module, heavy: Callable[[Any], bool]) -> None:
+        super().__init__()
+        self.owner = owner
+        self.heavy = heavy
+        self.stack: list[_Seen] = []
+        self.seen: dict[int, _Seen] = {}
+        self.any_heavy = False
+        self._hooks: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        heavy = self.heavy(func) or draws_random(func)
+        self.any_heavy |= heavy
+        if self.stack:
+            writes = {storage_key(t) for t in _written_tensors(func, args, kwargs)}
+            work = not getattr(func, "is_view", False)
+            for seen in self.stack:
+                seen.heavy |= heavy
+                seen.work |= work
+                seen.writes |= writes
+        return func(*args, **kwargs)
+
+    def _enter_module(self, module: nn.Module, args: tuple) -> None:
+        seen = self.seen.setdefault(id(module), _Seen(module))
+        seen.ancestors.update(id(s.module) for s in self.stack)
+        self.stack.append(seen)
+
+    def _leave_module(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.stack or self.stack[-1].module is not module:
+            return
+        seen = self.stack.pop()
+        inputs = _tensor_keys((args, kwargs))
+        fits = (isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point()
+                and storage_key(output) not in inputs and not (seen.writes & inputs))
+        seen.unfit |= not fits
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and storage_key(buf) in seen.writes:
+                    seen.buffers.add((weakref.ref(sub), name))
+
+    def __enter__(self) -> StructureRecorder:
+        # Hooks on the block's own submodules, not global ones (torch.compile warns about those).
+        self._hooks = [h for m in self.owner.modules() if m is not self.owner
+                       for h in (m.register_forward_pre_hook(self._enter_module),
+                                 m.register_forward_hook(self._leave_module, with_kwargs=True))]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        super().__exit__(*exc)
+
+    def structure(self) -> Structure:
+        """The outermost cheap submodules (none when the block has none, or is cheap as a whole)."""
+        cheap = {i for i, s in self.seen.items() if s.work and not s.heavy and not s.unfit}
+        if not self.any_heavy:
+            cheap = set()
+        outermost = [self.seen[i] for i in cheap if not (self.seen[i].ancestors & cheap)]
+        return Structure(tuple((weakref.ref(s.module), tuple(sorted(s.buffers, key=lambda b: b[1])))
+                               for s in outermost))
+
+
+@dataclass
+class _Saved:
+    """A tensor a region saved: kept (its output) or dropped after the forward, recomputed by index."""
+
+    frame: _Frame
+    tensor: torch.Tensor | None
+    index: int
+
+
+class _Frame:
+    """One cheap region call (NOTE [A region as saved-tensor hooks])."""
+
+    def __init__(self, forward: Callable[..., Any], args: tuple, kwargs: dict, module: nn.Module,
+                 writes: Writes, owner: nn.Module | None) -> None:
+        self.forward = forward
+        self.owner = owner
+        leaves, self.spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        self.leaves = leaves
+        self.resident = {storage_key(t) for t in (*tensors, *module.parameters(), *module.buffers())}
+        self.autocast = _autocast_state(tensors)
+        self.buffers = _buffers_before(writes)
+        self.count = 0
+        self.pending: list[_Saved] = []
+        self.recomputed: list[torch.Tensor | None] = []
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if storage_key(t) in self.resident:  # an input, a parameter, a view of one: alive anyway
+            return t
+        saved = _Saved(self, t, self.count)
+        self.count += 1
+        self.pending.append(saved)
+        return saved
+
+    def settle(self, out: Any) -> None:
+        """After the forward: drop what was saved, but the region's own output (its consumer keeps it too,
+        e.g. a ReLU's); with nothing dropped the region lets go of its inputs, as keeping would."""
+        outputs = _tensor_keys(out)
+        dropped = False
+        for saved in self.pending:
+            if storage_key(saved.tensor) not in outputs:
+                saved.tensor, dropped = None, True
+        self.pending = []
+        if not dropped:
+            self.leaves = []
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.tensor is not None:
+            return packed.tensor
+        frame, index = packed.frame, packed.index
+        if index >= len(frame.recomputed) or frame.recomputed[index] is None:
+            frame.recompute()
+        t, frame.recomputed[index] = frame.recomputed[index], None
+        return t
+
+    def recompute(self) -> None:
+        recorded: list[torch.Tensor | None] = []
+
+        def pack(t: torch.Tensor) -> None:
+            key = storage_key(t)
+            if key not in self.resident and key not in stand_ins:  # as in the forward (BatchNorm saves its stats)
+                recorded.append(t.detach())
+
+        leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                  for x in self.leaves]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        with torch.enable_grad(), observed_recomputation(self.owner), self._swapped_buffers() as stand_ins, \
+                self._autocast(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+            self.forward(*args, **kwargs)
+        self.recomputed = recorded
+
+    @contextlib.contextmanager
+    def _swapped_buffers(self) -> Iterator[set[int]]:
+        """The buffers as the forward began (copies), in place while recomputing; yields their storages."""
+        swapped = [(m, name, m._buffers[name]) for m, name, _ in self.buffers]
+        stand_ins = set()
+        for m, name, before in self.buffers:
+            m._buffers[name] = before.clone()
+            stand_ins.add(storage_key(m._buffers[name]))
+        try:
+            yield stand_ins
+        finally:
+            for m, name, original in swapped:
+                m._buffers[name] = original
+
+    def _autocast(self) -> Any:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        device, dtype = self.autocast
+        return torch.autocast(device, dtype=dtype)
+
+
+def _never_unpacked(_: Any) -> torch.Tensor:
+    raise RuntimeError("remat: a tensor saved while recomputing a cheap region was unpacked")  # pragma: no cover
+
+
+def _autocast_state(tensors: list[torch.Tensor]) -> tuple[str, torch.dtype] | None:
+    device = tensors[0].device.type if tensors else "cpu"
+    if not torch.is_autocast_enabled(device):
+        return None
+    return device, torch.get_autocast_dtype(device)
+
+
+def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    out = []
+    with torch.no_grad(), _bookkeeping():
+        for ref, name in writes:
+            module = ref()
+            if module is not None and module._buffers.get(name) is not None:
+                out.append((module, name, module._buffers[name].detach().clone()))
+    return out
+
+
+class _RegionForward:
+    """Stands in for a cheap submodule's forward while its block runs the fast path."""
+
+    def __init__(self, module: nn.Module, writes: Writes, owner: nn.Module | None) -> None:
+        self.module = module
+        self.forward = module.forward
+        self.writes = writes
+        self.owner = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        frame = _Frame(self.forward, args, kwargs, self.module, self.writes, self.owner)
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, _Frame.unpack):
+            out = self.forward(*args, **kwargs)
+        frame.settle(out)
+        return out
+
+
+_MISSING = object()
+
+
+def run_by_module(fn: Callable, regions: list[tuple[nn.Module, Writes]], args: tuple, kwargs: dict,
+                  owner: nn.Module | None) -> Any:
+    """``fn(*args, **kwargs)`` with each region module's forward standing in as a region (:class:`_Frame`)."""
+    patched = []
+    try:
+        for module, writes in regions:
+            previous = module.__dict__.get("forward", _MISSING)
+            module.__dict__["forward"] = _RegionForward(module, writes, owner)
+            patched.append((module, previous))
+        return fn(*args, **kwargs)
+    finally:
+        for module, previous in reversed(patched):
+            if previous is _MISSING:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = previous

@@ -1,0 +1,145 @@
+"""The context managers a checkpointed call enters: around its forward, around each recomputation.
+
+They act on a :class:`remat.core._region.Region` (NOTE [What recomputation must not
+repeat] and NOTE [Watching only when needed] there); ``Stacked`` composes them with
+torch's selective-checkpoint contexts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat.core._region import Learned, Region, _written_tensors, observed_recomputation
+
+
+class _CopyOnWrite(TorchDispatchMode):
+    """Copies a watched storage right before the first op that writes to it."""
+
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        for t in _written_tensors(func, args, kwargs):
+            self.region.note_write(t)
+        return func(*args, **kwargs)
+
+
+class ForwardContext:
+    """Entered around the checkpointed forward: watch buffers, keep values before writes.
+
+    ``remember(learned)`` is told what a first call wrote, and ``None`` when a call
+    without the dispatch mode met a write it did not expect (forget, watch again).
+    """
+
+    def __init__(self, region: Region, remember: Callable[[Learned | None], None] | None = None) -> None:
+        self.region = region
+        self.remember = remember or (lambda learned: None)
+        self._hook: Any = None
+        self._mode: _CopyOnWrite | None = None
+
+    def __enter__(self) -> None:
+        learned = self.region.learned
+        if learned is None or learned.writes_inputs or self.region.owner is None:
+            self._hook = nn.modules.module.register_module_forward_pre_hook(
+                lambda module, _args: self.region.watch_buffers(module)
+            )
+        else:  # NOTE [Watching only when needed]: no hook on every submodule call
+            for ref in learned.buffer_modules:
+                module = ref()
+                if module is not None:
+                    self.region.watch_buffers(module)
+        if self.region.watches_ops:
+            self._mode = _CopyOnWrite(self.region)
+            self._mode.__enter__()
+        if self.region.owner is not None:
+            self.region.watch_buffers(self.region.owner)
+
+    def __exit__(self, exc_type, *exc) -> None:  # noqa: ANN001
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if exc_type is None:
+            try:
+                learned = self.region.finish_forward()
+            except Exception:
+                self.remember(None)
+                raise
+            if learned is not None:
+                self.remember(learned)
+
+
+class RecomputeContext:
+    """Entered around every recomputation (more than one with ``retain_graph=True``)."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self._open: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> None:
+        observed = observed_recomputation(self.region.owner)
+        observed.__enter__()
+        swap = self.region.swapped_buffers() if self.region.buffers else None
+        if swap is not None:
+            try:
+                swap.__enter__()
+            except BaseException as exc:
+                observed.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+        self._open.append((observed, swap))
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN001
+        observed, swap = self._open.pop()
+        try:
+            if swap is not None:
+                swap.__exit__(*exc)
+        finally:
+            observed.__exit__(*exc)
+
+
+class Stacked:
+    """Re-enterable composition of context managers (torch reuses the recompute context).
+
+    Entered and left by hand, not through an ExitStack: it runs twice per block call,
+    where every microsecond of host time shows on a fast GPU (issue #16).
+    """
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = contexts
+        self._entered: list[int] = []
+
+    def __enter__(self) -> None:
+        done = 0
+        try:
+            for c in self.contexts:
+                c.__enter__()
+                done += 1
+        except BaseException as exc:
+            self._leave(done, type(exc), exc, exc.__traceback__)
+            raise
+        self._entered.append(done)
+
+    def __exit__(self, *exc) -> bool:  # noqa: ANN001
+        return self._leave(self._entered.pop(), *exc)
+
+    def _leave(self, done: int, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        """Leave the first ``done`` contexts, innermost first, as an ExitStack would."""
+        pending = exc
+        for c in reversed(self.contexts[:done]):
+            try:
+                args = (type(pending), pending, pending.__traceback__) if pending is not None else (None, None, None)
+                if c.__exit__(*args):
+                    pending = None
+            except BaseException as new:  # noqa: BLE001 (re-raised below, chained to what was pending)
+                pending = new
+        if pending is not None and pending is not exc:
+            raise pending
+        return exc is not None and pending is None

@@ -1,0 +1,205 @@
+"""The selective policy by module (remat.core._by_module): cheap submodules recomputed as their own regions,
+no dispatch mode after a block's first call, gradients bit-equal to no checkpointing."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import zoo
+from remat.core._region import recompute_observer
+from remat.core.checkpoint import _STRUCTURES
+
+from conftest import assert_buffers_equal, assert_grads_equal, twin
+
+pytest.importorskip("transformers")
+aten = torch.ops.aten
+TINY = {
+    "gpt2": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq": 16, "batch": 2},
+    "llama": {"layers": 2, "hidden": 32, "intermediate": 64, "heads": 2, "kv_heads": 1, "vocab": 64, "seq": 16,
+              "batch": 2},
+}
+KEPT = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+class RecomputedOps(TorchDispatchMode):
+    """Counts the ops that run while remat recomputes (in backward only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if remat.is_recomputing():
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class ModesSeen(nn.Module):
+    """Notes how many dispatch modes are active when ``inner`` runs (op-level selective runs one)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.modes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(torch._C._len_torch_dispatch_stack())
+        return self.inner(x)
+
+
+def _region_types(block: nn.Module) -> list[str]:
+    (structure,) = _STRUCTURES[block].values()
+    return sorted(type(ref()).__name__ for ref, _ in structure.regions)
+
+
+def _lm_step(model: nn.Module, inputs: dict, seed: int, counter: RecomputedOps | None = None) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    if counter is None:
+        loss.backward()
+    else:
+        with counter:
+            loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize(("name", "options", "regions"), [
+    ("gpt2", {"dropout": 0.1}, ["LayerNorm", "LayerNorm", "NewGELUActivation"]),
+    ("gpt2", {"dropout": 0.0}, ["LayerNorm", "LayerNorm", "NewGELUActivation"]),
+    ("llama", {}, ["LlamaRMSNorm", "LlamaRMSNorm", "SiLUActivation"]),
+])
+def test_selective_recomputes_only_cheap_submodules_with_equal_gradients(name, options, regions):
+    built = zoo.build(name, **TINY[name], **options)
+    ref = twin(built.model)
+    modules = dict(built.model.named_modules())
+    blocks = [modules[b] for b in built.blocks]
+    for b in blocks:
+        remat.wrap(b, policy="selective")
+    for seed in range(3):  # the first call learns (op-level), the later ones take the fast path
+        counter = RecomputedOps()
+        loss, rng = _lm_step(built.model, built.inputs, seed, counter), torch.get_rng_state()
+        assert torch.equal(loss, _lm_step(ref, built.inputs, seed))
+        assert_grads_equal(ref, built.model)
+        assert torch.equal(rng, torch.get_rng_state())
+        if seed > 0:
+            assert not {op.__name__ for op in KEPT} & set(counter.ops), counter.ops
+    assert all(_region_types(b) == regions for b in blocks)
+    # the norms and GPT-2's GELU were recomputed in backward (on the fast path); SiLU saves only its input,
+    # which is alive anyway, so its region drops nothing and recomputes nothing
+    expected = {"native_layer_norm", "tanh"} if name == "gpt2" else {"rsqrt"}
+    assert expected <= set(counter.ops), counter.ops
+
+
+def test_fast_path_runs_no_dispatch_mode_after_the_first_call():
+    built = zoo.build("gpt2", **TINY["gpt2"])
+    block = dict(built.model.named_modules())[built.blocks[0]]
+    spy = ModesSeen(block.ln_1)
+    block.ln_1 = spy
+    remat.wrap(block, policy="selective")
+    for seed in range(3):
+        _lm_step(built.model, built.inputs, seed)
+    # forward and recomputation of each step; op-level selective runs its modes in both
+    assert spy.modes[0] > 0 and spy.modes[1] > 0 and spy.modes[2:] == [0, 0, 0, 0], spy.modes
+
+
+def test_every_region_recomputation_is_the_blocks_own():
+    built = zoo.build("llama", **TINY["llama"])
+    blocks = [dict(built.model.named_modules())[b] for b in built.blocks]
+    for b in blocks:
+        remat.wrap(b, policy="selective")
+    _lm_step(built.model, built.inputs, 0)
+    owners, spans = [], []
+    with recompute_observer(lambda start, end: spans.append(end - start), on_start=owners.append):
+        _lm_step(built.model, built.inputs, 1)
+    # two RMSNorms per block (SiLU recomputes nothing, see above)
+    assert Counter(id(o) for o in owners) == Counter(id(b) for b in blocks for _ in range(2))
+    assert len(spans) == 2 * len(blocks) and all(s >= 0 for s in spans)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn, self.act, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(), \
+            nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.act(self.bn(self.conv1(x))))
+
+
+def test_batch_norm_buffers_change_once_per_step_on_the_fast_path():
+    model = nn.Sequential(ConvBlock(), nn.Dropout(0.2), ConvBlock())
+    ref = twin(model)
+    for b in (model[0], model[2]):
+        remat.wrap(b, policy="selective")
+    x = torch.randn(2, 3, 8, 8)  # does not require grad: the first block's weights still get gradients
+    for seed in range(3):
+        counter = RecomputedOps()
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            out = m(x)
+            with counter if m is model else contextlib.nullcontext():
+                out.square().sum().backward()
+            if m is model:
+                mine = out.detach()
+        assert torch.equal(mine, out.detach())
+        assert_grads_equal(ref, model)
+        assert_buffers_equal(ref, model)
+    assert model[0].bn.num_batches_tracked.item() == 3
+    assert _region_types(model[0]) == ["BatchNorm2d", "GELU"]
+    assert "convolution" not in counter.ops and {"gelu", "native_batch_norm"} & set(counter.ops), counter.ops
+
+
+def test_functions_and_op_lists_stay_op_level():
+    lin = nn.Linear(8, 8)
+    spy = ModesSeen(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)))
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        remat.checkpoint(lambda t: spy(lin(t)), x, policy="selective").sum().backward()  # a function
+        remat.checkpoint(spy, x, policy=[aten.addmm.default]).sum().backward()  # an op list
+    assert all(m > 0 for m in spy.modes), spy.modes
+
+
+def test_selective_ops_stays_op_level_on_every_call_with_equal_gradients():
+    built = zoo.build("llama", **TINY["llama"])
+    ref = twin(built.model)
+    block = dict(built.model.named_modules())[built.blocks[0]]
+    spy = ModesSeen(block.input_layernorm)
+    block.input_layernorm = spy
+    ref_block = dict(ref.named_modules())[built.blocks[0]]
+    ref_block.input_layernorm = ModesSeen(ref_block.input_layernorm)
+    for name in built.blocks:
+        remat.wrap(dict(built.model.named_modules())[name], policy="selective-ops")
+    counter = RecomputedOps()
+    for seed in range(3):
+        expected = _lm_step(ref, built.inputs, seed)
+        assert torch.equal(_lm_step(built.model, built.inputs, seed, counter), expected)
+        assert_grads_equal(ref, built.model)
+    assert all(m > 0 for m in spy.modes), spy.modes  # forward and recompute, every step
+    assert not any(op in counter.ops for op in ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu"))
+    assert counter.ops["rsqrt"] > 0 and counter.ops["silu"] > 0 and counter.ops["mul"] > 0
+
+
+def test_the_planner_weighs_both_selective_policies():
+    torch.manual_seed(0)
+    built = zoo.build("llama", **TINY["llama"])
+    prof = remat.profile(built.model, built.inputs, policies=("keep", "selective", "selective-ops", "full"),
+                         repeat=1)
+    every = {policy: {b: policy for b in built.blocks} for policy in ("selective", "selective-ops")}
+    # op by op recomputes the block's own ops too (rotary, the MLP's gate product): it keeps less
+    assert prof.predict_peak(every["selective-ops"]) < prof.predict_peak(every["selective"])
+    plan = remat.plan(prof, strategy="none")
+    plan = remat.Plan.from_json(dataclasses.replace(plan, assignment=every["selective-ops"]).to_json())
+    remat.apply(built.model, plan)
+    measured = remat.measure(built.model, built.inputs, warmup=1, repeat=1)
+    assert measured.peak_bytes == prof.predict_peak(every["selective-ops"])
