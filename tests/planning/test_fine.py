@@ -138,3 +138,30 @@ def test_a_fake_profile_predicts_full_fine_as_the_real_one():
         assert fake.predict_peak(assignment) == real.predict_peak(assignment)
     # recomputing the block and then its sub-layers: more than one forward, at most two
     assert all(b.extra_time_s["full"] < b.extra_time_s["full-fine"] <= 2 * b.extra_time_s["full"] for b in fake.blocks)
+
+
+def test_full_fine_blocks_inside_a_nested_segment_are_exact():
+    from remat.planning._nested import Node, costs_of, simulate, to_plan
+
+    zoo = _zoo("gpt2")
+    prof = remat.profile(zoo.model, zoo.inputs, policies=("full", "full-fine"), repeat=1)
+    c = costs_of(prof)
+    fine = c.chain.policies.index("full-fine")
+    nodes = (Node(0, end=2, children=(Node(0, fine),)), Node(2, fine))
+    assignment, segments = to_plan(c, nodes)
+    assignment = {b.name: assignment[b.name] for b in prof.blocks}  # in chain order, as remat.plan gives it
+    plan = remat.Plan(assignment, simulate(c, nodes), 0.0, prof.baseline_peak_bytes, 0, None, "optimal",
+                      type(zoo.model).__name__, segments=segments)
+    assert assignment[prof.blocks[0].name] == "full-fine" and segments  # blocks 0-1 one region, 0 full-fine
+    run = lambda m: m(**zoo.inputs).loss  # noqa: E731
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref = _grads_and_buffers(zoo.model, run)
+        remat.apply(zoo.model, plan)
+        got = _grads_and_buffers(zoo.model, run)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(ref[0][n], got[0][n]) for n in ref[0])
+    measured = remat.measure(zoo.model, zoo.inputs, repeat=1, warmup=1).peak_bytes
+    remat.remove(zoo.model)
+    assert plan.predicted_peak_bytes == measured
