@@ -8,6 +8,12 @@ nested floor, with the one-level floor and the every-block-full point among them
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9]
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vit --set layers=6 --set batch=2
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2 --fine   # also policy full-fine
+
+Before the table it says where the peak of every block ``full`` (and ``full-fine``) sits: the segment,
+the resting bytes (parameters, buffers, inputs), what else is live at its start (gradients made so far,
+stored block inputs), what the segment itself adds (one block's recomputation and backward), and the
+highest peak of the glue outside the blocks (embedding, head, loss), which no block's policy lowers.
 """
 
 from __future__ import annotations
@@ -49,6 +55,19 @@ def _option(text: str) -> tuple[str, int]:
     return key, int(value)
 
 
+def _where(prof: remat.Profile, policy: str) -> str:
+    """Where the peak of every block under ``policy`` sits, in MiB (see the module docstring)."""
+    timeline = prof.timeline({b.name: policy for b in prof.blocks})
+    key, live, top = max(timeline, key=lambda t: t[2])
+    glue = max((t for t in timeline if t[0][1] is None), key=lambda t: t[2])
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    return (f"every block {policy}: peak {mib(top)} MiB in {key[0]} of {key[1] or 'glue'} = "
+            f"resting {mib(prof.resting_bytes)}"
+            f" + live above resting at its start {mib(live - prof.resting_bytes)} (gradients so far, kept inputs)"
+            f" + the segment's own {mib(top - live)}; highest glue peak {mib(glue[2])} MiB ({glue[0][0]} glue "
+            f"{glue[0][2]}: embedding, head, loss)")
+
+
 def _step_time(model: nn.Module, inputs: Any, loss_fn: Any, plan: remat.Plan | None) -> float:
     remat.remove(model)
     if plan is not None:
@@ -60,22 +79,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="conv")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--fine", action="store_true", help="also profile and plan with policy full-fine")
     ap.add_argument("--set", type=_option, action="append", default=[], help="a zoo option, e.g. layers=4")
     args = ap.parse_args()
     title, model, inputs, loss_fn = _setup(args.model, dict(args.set))
     start = time.perf_counter()
-    prof = remat.profile(model, inputs, loss_fn)
+    policies = ("keep", "selective", "full", *(("full-fine",) if args.fine else ()))
+    prof = remat.profile(model, inputs, loss_fn, policies=policies)
     profiled = time.perf_counter() - start
     base = prof.baseline_peak_bytes
     one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     all_full = prof.predict_peak({b.name: "full" for b in prof.blocks})
     lowest = remat.plan(prof, strategy="none").min_peak_bytes  # the nested floor where nesting applies
     nested = "nested floor" if nested_floor(prof) is not None else "no nested view (not a chain of <= 24 blocks)"
+    fine = prof.predict_peak({b.name: "full-fine" for b in prof.blocks}) if args.fine else None
+    fine_text = "" if fine is None else f"every block full-fine {fine / base:.3f}; "
     print(f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks; profiled in {profiled:.1f} s "
           f"({profiled / prof.step_time_s:.1f} steps of {prof.step_time_s:.3f} s). Peak without "
-          f"checkpointing {base / 2**20:.1f} MiB; every block full {all_full / base:.3f}; one-level floor "
+          f"checkpointing {base / 2**20:.1f} MiB; every block full {all_full / base:.3f}; "
+          f"{fine_text}one-level floor "
           f"{one_level / base:.3f}; lowest {lowest / base:.3f} ({nested})")
-    marks = {1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, all_full / base, one_level / base, (lowest + 1) / base}
+    for policy in ("full", "full-fine")[:1 + args.fine]:
+        print(_where(prof, policy))
+    marks = {1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, all_full / base, one_level / base, (lowest + 1) / base,
+             *(() if fine is None else (fine / base,))}
     fractions = sorted((f for f in marks if f * base >= lowest), reverse=True)
     rows = []
     for f in fractions:

@@ -106,7 +106,7 @@ CASES = {
     "execution unknown": (_net, lambda m: remat.Plan.from_json(_edited(execution="jit")),
                           ["'execution'", "'jit'", '"compiled"']),
     "unknown policy in a plan": (_net, lambda m: remat.Plan.from_json(_edited(assignment={"blocks.0": "half"})),
-                                 ["'half'", "keep, selective, selective-ops or full"]),
+                                 ["'half'", "keep, selective, selective-ops, full or full-fine"]),
     "plan names the root": (_net, lambda m: remat.Plan.from_json(_edited(assignment={"": "full"})),
                             ["root module ''", "Name the blocks"]),
     "plan nests blocks": (_net, lambda m: remat.Plan.from_json(

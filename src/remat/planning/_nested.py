@@ -23,9 +23,12 @@ policy (the rest gets ``m`` minus what it keeps) or a segment [s, k) (the rest g
 within what is left after the gradients the rest leaves). Sizes are rounded up and
 frees down to a grid of 1/``GRID`` of the baseline peak, so an accepted plan never
 exceeds its budget in the model; the exact walk (``simulate``) gives the prediction.
-O(n^3) numpy steps over the GRID budgets (0.34 s for 24 blocks; the floor takes ~10 solves, once per
-profile: ``Plan.min_peak_bytes`` is the floor): used for chains of at most ``MAX_BLOCKS`` blocks, and
-by ``remat.plan`` to plan only below the one-level floor.
+Each ``best(s, e)`` takes all its first items at once (arrays over the policies and over the split k,
+times the GRID budgets): O(n^2) numpy steps, O(n^3 GRID) work. On a synthetic chain (2-core CPU, shared)
+one solve takes 0.10 s for 24 blocks and 0.7-0.8 s for 48; the floor takes 10 solves (6.6-6.8 s for 48
+blocks, where the gathers over n x GRID arrays, not Python, take the time), once per profile
+(``Plan.min_peak_bytes`` is the floor): so nested plans are made for chains of at most ``MAX_BLOCKS``
+blocks, and by ``remat.plan`` only below the one-level floor.
 """
 
 from __future__ import annotations
@@ -139,37 +142,46 @@ def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
     return total
 
 
-def _shift(values: np.ndarray, by: int) -> np.ndarray:
-    """out[m] = values[m - by]: the rest gets ``by`` units less (more, for ``by`` < 0: clamped to the top,
-    which costs at least as much, so on the safe side); inf where nothing is left."""
-    index = np.arange(len(values)) - by
-    out = values[np.clip(index, 0, len(values) - 1)]
-    return np.where(index < 0, np.inf, out)
+def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """out[r, m] = values[r, m - by[r]] (``values[m - by[r]]`` for one row of values): each row's rest gets
+    ``by[r]`` units less (more, for ``by`` < 0: clamped to the top, which costs at least as much, so on the
+    safe side); inf where nothing is left."""
+    size = values.shape[-1]
+    index = np.arange(size)[None, :] - by[:, None]
+    clipped = np.minimum(np.maximum(index, 0), size - 1)
+    out = values[clipped] if values.ndim == 1 else values[np.arange(len(by))[:, None], clipped]
+    out[index < 0] = np.inf
+    return out
 
 
 class _Tables:
     """``best(s, e, top)`` as arrays over every budget m = 0..H grid units (NOTE [The nested DP]), built by
-    increasing length with numpy over m, with the choice per m for rebuilding the plan."""
+    increasing length with numpy over m and over the first segment's end k, with the choice per m for
+    rebuilding the plan (codes: a policy j < P, or P + k)."""
 
     def __init__(self, c: Costs, unit: int, head: int) -> None:
         ch, f = c.chain, c.full
         up = lambda a: -(-np.asarray(a, dtype=np.int64) // unit)  # noqa: E731
-        self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
+        self.c, self.f, self.P, self.unit = c, f, ch.fwd_delta.shape[1], unit
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = np.asarray(c.out, dtype=np.int64) // unit
         self.csum = np.concatenate([[0], np.cumsum(up((ch.fwd_delta + ch.bwd_delta).max(axis=1)))])
         self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
         self.m = np.arange(head + 1)
         n = len(ch.blocks)
-        self.nosave = {}
+        # kept[s, e], peak[s, e]: live bytes left and most reached by blocks s..e-1 run saving nothing;
+        # refwd[s, e]: their forward time but the last block's (a segment's recomputation before its tail).
+        self.kept, self.peak = np.zeros((n + 1, n + 1), dtype=np.int64), np.zeros((n + 1, n + 1), dtype=np.int64)
+        self.refwd = np.zeros((n + 1, n + 1))
         for s in range(n):
             live = top = 0
             for k in range(s, n):
                 top = max(top, live + int(self.FP[k, f]))
                 live += int(self.FD[k, f]) - (int(out[k - 1]) if k > s else 0)
-                self.nosave[s, k + 1] = (live, top)
-        self.cost: dict[tuple[int, int, bool], np.ndarray] = {}
-        self.pick: dict[tuple[int, int, bool], np.ndarray] = {}
+                self.kept[s, k + 1], self.peak[s, k + 1] = live, top
+                self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
+        self.cost = {top: np.full((n + 1, n + 1, len(self.m)), np.inf) for top in (False, True)}
+        self.pick = {top: np.full((n + 1, n + 1, len(self.m)), -1) for top in (False, True)}
         for length in range(1, n + 1):
             for s in range(n - length + 1):
                 self._fill(s, s + length, False)
@@ -182,67 +194,76 @@ class _Tables:
         return int(self.BP[e - 1, self.f]), int(self.BD[e - 1, self.f]), float(self.c.chain.extra_s[e - 1, self.f])
 
     def _fill(self, s: int, e: int, top: bool) -> None:
-        ch, m = self.c.chain, self.m
+        ch, m, P = self.c.chain, self.m, self.P
         tail_peak, tail_delta, tail_time = self._tail(e, top)
         stop = e if top else e - 1
-        best, pick = np.full(len(m), np.inf), np.full(len(m), -1)
         if s == stop:
-            best[m >= tail_peak] = tail_time
-            self.cost[s, e, top], self.pick[s, e, top] = best, pick
+            self.cost[top][s, e, m >= tail_peak] = tail_time
             return
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
-        options = []
-        for j in range(self.P):
-            ok = (m >= self.FP[s, j]) & (m >= self.FD[s, j] + after + self.BP[s, j])
-            options.append((j, np.where(ok, ch.extra_s[s, j] + _shift(self.cost[s + 1, e, top], int(self.FD[s, j])), np.inf)))
-        for k in range(s + 2, stop + 1):
-            kept, peak = self.nosave[s, k]
-            below = kept + int(self.csum[stop] - self.csum[k]) + tail_delta
-            cost = (_shift(self.cost[k, e, top], kept) + _shift(self.cost[s, k, False], below)
-                    + float(self.c.fwd_s[s:k - 1].sum()))
-            options.append((self.P + k, np.where(m >= peak, cost, np.inf)))
-        for code, cost in options:
-            better = cost < best
-            best, pick = np.where(better, cost, best), np.where(better, code, pick)
-        self.cost[s, e, top], self.pick[s, e, top] = best, pick
+        rest = self.cost[top][s + 1, e]
+        ok = (m[None, :] >= self.FP[s, :, None]) & (m[None, :] >= (self.FD[s] + after + self.BP[s])[:, None])
+        by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
+        options = [np.where(ok, by_policy, np.inf)]
+        ks = np.arange(s + 2, stop + 1)
+        if len(ks):  # the first item a segment [s, k): the rest after its output, its own backward below
+            kept = self.kept[s, ks]
+            below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta
+            by_split = (_shift_rows(self.cost[top][ks, e], kept) + _shift_rows(self.cost[False][s, ks], below)
+                        + self.refwd[s, ks][:, None])
+            options.append(np.where(m[None, :] >= self.peak[s, ks][:, None], by_split, np.inf))
+        table = np.concatenate(options)
+        first = np.argmin(table, axis=0)  # the first of equal options, as a scan with strict < would keep
+        best = table[first, m]
+        codes = np.concatenate([np.arange(P), P + ks])
+        self.cost[top][s, e] = best
+        self.pick[top][s, e] = np.where(np.isfinite(best), codes[first], -1)
 
     def plan(self, s: int, e: int, top: bool, m: int) -> tuple[Node, ...]:
-        code = int(self.pick[s, e, top][min(max(m, 0), len(self.m) - 1)])
+        code = int(self.pick[top][s, e, min(max(m, 0), len(self.m) - 1)])
         if code < 0:
             return ()
         if code < self.P:
             return (Node(s, code), *self.plan(s + 1, e, top, min(m - int(self.FD[s, code]), len(self.m) - 1)))
         k = code - self.P
         stop = e if top else e - 1
-        kept = self.nosave[s, k][0]
+        kept = int(self.kept[s, k])
         below = kept + int(self.csum[stop] - self.csum[k]) + self._tail(e, top)[1]
         children = self.plan(s, k, False, min(m - below, len(self.m) - 1))
         return (Node(s, end=k, children=children), *self.plan(k, e, top, min(m - kept, len(self.m) - 1)))
 
 
+def _tables_at(c: Costs, budget: int) -> tuple[_Tables, int] | None:
+    """The DP's tables for ``budget`` and the budget's cell, or None where not even the glue fits."""
+    unit = max(1, -(-int(max(budget, 1)) // GRID))
+    head = int(math.floor((budget - c.chain.start) / unit))
+    if c.chain.pre_peak > budget or head < 0:
+        return None
+    return _Tables(c, unit, head), head
+
+
+def _best(tables: _Tables, head: int) -> tuple[tuple[Node, ...], float] | None:
+    n = len(tables.c.chain.blocks)
+    cost = float(tables.cost[True][0, n, head])
+    return None if not math.isfinite(cost) else (tables.plan(0, n, True, head), cost)
+
+
 def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None:
     """The nested plan of least extra time whose peak fits ``budget`` (NOTE [The nested DP]); None if none."""
-    ch = c.chain
-    unit = max(1, -(-int(max(budget, 1)) // GRID))
-    head = int(math.floor((budget - ch.start) / unit))
-    if ch.pre_peak > budget or head < 0:
-        return None
-    tables = _Tables(c, unit, head)
-    n = len(ch.blocks)
-    cost = float(tables.cost[0, n, True][head])
-    return None if not math.isfinite(cost) else (tables.plan(0, n, True, head), cost)
+    built = _tables_at(c, budget)
+    return None if built is None else _best(*built)
 
 
 def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]] | None:
     """The lowest budget in [low, high] (to 0.1%) at which ``solve_nested`` finds a plan, and the plan."""
-    found = solve_nested(c, high)
+    built = _tables_at(c, high)
+    found = None if built is None else _best(*built)
     if found is None:
         return None
     best = (simulate(c, found[0]), found[0])
-    # One table at ``high`` bounds the floor to a cell per block (rounding) above its first feasible cell.
-    unit = max(1, -(-high // GRID))
-    head = int(math.floor((high - c.chain.start) / unit))
-    first = int(np.flatnonzero(np.isfinite(_Tables(c, unit, head).cost[0, len(c.chain.blocks), True]))[0])
+    # The table at ``high`` bounds the floor to a cell per block (rounding) above its first feasible cell.
+    unit = built[0].unit
+    first = int(np.flatnonzero(np.isfinite(built[0].cost[True][0, len(c.chain.blocks)]))[0])
     high = min(high, c.chain.start + (first + 1) * unit)
     low = max(low, c.chain.start + (first - 2 * len(c.chain.blocks)) * unit)
     while high - low > max(1, high // 1000):
@@ -294,12 +315,23 @@ def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tu
     return assignment, tuple(segments)
 
 
+def _peak(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> int:
+    """The predicted peak of ``nodes``: the walk of NOTE [The nested peak model], or for a plan without segments
+    (one policy per block, ``full-fine`` among them) the profile's own peak model, which also moves storages that
+    cross blocks (Llama's rotary tables: the walk is 256 bytes under there)."""
+    if any(node.end is not None for node in nodes):
+        return simulate(c, nodes)
+    return profile.predict_peak(to_plan(c, nodes)[0])
+
+
 def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     """The lowest predicted peak of a nested plan (cached on the profile), or None without a nested view."""
     cached = profile.__dict__.get("_remat_nested_floor", False)
     if cached is False:
         c = costs_of(profile)
         cached = None if c is None else lowest_nested(c, c.chain.pre_peak, profile.baseline_peak_bytes)
+        if cached is not None:
+            cached = (_peak(profile, c, cached[1]), cached[1])
         profile.__dict__["_remat_nested_floor"] = cached
     return cached
 
@@ -315,7 +347,7 @@ def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tup
     fits = []
     for scale in _SCALES:
         trial = solve_nested(c, int(limit * scale))
-        if trial is not None and simulate(c, trial[0]) <= limit:
+        if trial is not None and _peak(profile, c, trial[0]) <= limit:
             fits.append((trial[1], trial[0]))
     floor = nested_floor(profile)
     if floor is not None and floor[0] <= limit:
@@ -324,4 +356,4 @@ def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tup
         return None
     found = min(fits, key=lambda t: t[0])[::-1]
     assignment, segments = to_plan(c, found[0])
-    return assignment, segments, simulate(c, found[0]), extra_time(c, found[0])
+    return assignment, segments, _peak(profile, c, found[0]), extra_time(c, found[0])

@@ -19,7 +19,7 @@ from torch import nn
 from remat.errors import RematError
 from remat.profiling._blocks import check_block_modules, check_disjoint
 
-_POLICIES = ("keep", "selective", "selective-ops", "full")
+_POLICIES = ("keep", "selective", "selective-ops", "full", "full-fine")
 _INT, _FLOAT, _STR, _BOOL = "an integer", "a number", "a string", "true or false"
 #: field -> (what it must be, may it be null)
 _FIELDS = {
@@ -67,7 +67,7 @@ def check_plan_fields(data: dict[str, Any]) -> None:
     bad = {b: p for b, p in assignment.items() if p not in _POLICIES}
     if bad:
         raise RematError(f"remat.Plan.from_json: field 'assignment' has unknown policies {bad}; use keep, "
-                         "selective, selective-ops or full.")
+                         "selective, selective-ops, full or full-fine.")
     _refuse_root(assignment, "remat.Plan.from_json: field 'assignment'")
     check_disjoint(list(assignment), api="remat.Plan.from_json: field 'assignment':")
 

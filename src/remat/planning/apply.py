@@ -16,11 +16,12 @@ from torch import nn
 
 from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
+from remat.core._fine import FINE, unwrap_fine, wrap_fine
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._segment import schedule_segments, unschedule
 from remat.core._state import capture
 from remat.core._user_errors import model_errors, require_module
-from remat.core.checkpoint import is_wrapped, unwrap, wrap
+from remat.core.checkpoint import unwrap, wrap
 from remat.core.measure import compiled_peak, measure_peak
 from remat.errors import RematError
 from remat.planning._plan_checks import check_plan_fits
@@ -78,15 +79,16 @@ def _put(model: nn.Module, plan: Plan) -> None:
     done: list[nn.Module] = []
     try:
         for name, policy in plan.assignment.items():
-            if policy != "keep":
+            unwrap_fine(modules[name])
+            if policy == FINE:
+                wrap_fine(modules[name])
+            elif policy != "keep":
                 wrap(modules[name], policy=policy)
-                done.append(modules[name])
-            elif is_wrapped(modules[name]):
-                unwrap(modules[name])
+            done.append(modules[name])
         schedule_segments(model, list(plan.assignment), plan.segments)
     except Exception:
         for module in done:
-            unwrap(module)
+            unwrap_fine(module)
         raise
     if plan.checkpointed:
         disable_cache(model)

@@ -78,12 +78,13 @@ class Plan:
     def summary(self) -> str:
         """One paragraph a user can read."""
         counts = {p: sum(1 for v in self.assignment.values() if v == p)
-                  for p in ("keep", "selective", "selective-ops", "full")}
+                  for p in ("keep", "selective", "selective-ops", "full", "full-fine")}
         budget = f" for a budget of {human_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
         saved = 1 - self.predicted_peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else 0.0
         text = (
             f"{self.strategy} plan{budget} on {self.model}: {counts['full']} blocks full recompute, "
-            f"{counts['selective']} selective, "
+            + (f"{n} full with their sub-layers checkpointed, " if (n := counts["full-fine"]) else "")
+            + f"{counts['selective']} selective, "
             + (f"{counts['selective-ops']} selective op by op, " if counts["selective-ops"] else "")
             + f"{counts['keep']} kept. Predicted peak "
             f"{human_bytes(self.predicted_peak_bytes)} ({saved:.0%} below {human_bytes(self.baseline_peak_bytes)} "
@@ -240,7 +241,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
 def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
     """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
     assignment: dict[str, str] = {}
-    order = ["keep", "selective", "selective-ops", "full"]
+    order = ["keep", "selective", "selective-ops", "full", "full-fine"]
     while profile.predict_peak(assignment) > budget:
         current = profile.predict_peak(assignment)
         best = None
@@ -272,7 +273,7 @@ def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
 def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
     names = [b.name for b in profile.blocks]
-    candidates = [{}] + [{n: p for n in names} for p in ("selective", "selective-ops", "full")
+    candidates = [{}] + [{n: p for n in names} for p in ("selective", "selective-ops", "full", "full-fine")
                          if p in profile.policies]
     if chain is not None:
         picks, _ = solve(chain, math.inf, minimise_peak=True)

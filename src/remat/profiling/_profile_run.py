@@ -20,6 +20,7 @@ from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, t
 from remat.core._state import capture
 from remat.core._step import LossFn, call_model, input_tensors, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
+from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, wrap
 from remat.core.measure import device_of
 from remat.errors import RematError
@@ -87,12 +88,15 @@ class _Policies:
     def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
         modules = dict(model.named_modules())
         self.blocks = [modules[n] for n in names]
-        self.saved = [(m, m.__dict__.get("forward")) for m in self.blocks]
+        touched = self.blocks + [c for m in self.blocks for c in inner_layers(m)]  # full-fine wraps those too
+        self.saved = [(m, m.__dict__.get("forward")) for m in touched]
 
     def set(self, policy: str) -> None:
         self.restore()
-        if policy != "keep":
-            for m in self.blocks:
+        for m in self.blocks:
+            if policy == FINE:
+                wrap_fine(m)
+            elif policy != "keep":
                 wrap(m, policy=policy)
 
     def restore(self) -> None:
@@ -179,6 +183,12 @@ def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str,
     return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "selective-ops": fwd_s * (1.0 - kept), "full": fwd_s}
 
 
+def _fine_recompute_share(flops: dict[str, dict[Key, int]], bwd_keys: list[Key]) -> float:
+    """Fake profiles: ``full-fine``'s recompute FLOPs over ``full``'s (its time: the block's forward times that)."""
+    extra = {p: sum(flops[p][k] - flops["keep"][k] for k in bwd_keys) for p in ("full", FINE) if p in flops}
+    return extra[FINE] / extra["full"] if extra.get("full", 0) > 0 else 2.0  # at most two forwards
+
+
 def _block_profiles(
     names: Sequence[str],
     segments: dict[str, dict[Key, SegmentCost]],
@@ -208,6 +218,8 @@ def _block_profiles(
         fwd_s = total("keep", fwd_keys, "seconds")
         if recompute is None:
             extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys])
+            if FINE in policies:
+                extra[FINE] = fwd_s * _fine_recompute_share(flops, bwd_keys)
         else:
             measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
                         for p in policies}
@@ -405,7 +417,8 @@ def _crowded(per_policy: dict[str, dict[tuple, dict]]) -> set:
 
 def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:
     policies = tuple(dict.fromkeys(["keep", *policies]))
-    bad = [p for p in policies if p not in POLICIES]
+    known = (*POLICIES, FINE)
+    bad = [p for p in policies if p not in known]
     if bad:
-        raise RematError(f"remat.profile: unknown policies {bad}; choose from {list(POLICIES)}.")
+        raise RematError(f"remat.profile: unknown policies {bad}; choose from {list(known)}.")
     return policies
