@@ -12,8 +12,8 @@ Per zoo model (small sizes, below; GPT-2 and ViT with dropout 0.1):
   plan floor and 1), each plan applied and compiled; its compiled peak measured.
 
 Each compile point is matched with the remat plan whose measured compiled peak is the
-highest at or below the compile point's peak (equal or lower memory). The matched pairs
-and the reference are timed together in interleaved rounds (``remat.bench``'s rounds,
+highest at or below the compile point's peak (equal or lower memory). Every setup is
+timed in the same interleaved rounds (``remat.bench``'s rounds,
 every setup once per round in a shuffled order, ratios to the reference within a round,
 median over rounds). Gradients: one step with the same seed for every setup; loss and
 largest gradient difference against the reference (``torch.equal`` is "= ref").
@@ -141,24 +141,29 @@ def model_table(name: str, budgets: list[float], backend: str, points: int, roun
     ref = compiled[0]
     sweep = remat_sweep(built, backend, points)
     pairs = [(c, match(c, sweep)) for c in compiled]
-    timed = [ref, *{id(s): s for pair in pairs for s in pair if s is not None and s is not ref}.values()]
+    timed = [*compiled, *sweep]  # every setup, so that dominance can be checked against every remat point
     times = dict(zip(map(id, timed), interleaved_rounds([s.timed for s in timed], warmup=2, repeat=rounds),
                      strict=True))
+    ratio = {id(s): ratio_to(times[id(s)], times[id(ref)]) for s in timed}
     ref_loss, ref_grads = ref.gradients()
     out = [f"### {name} ({', '.join(f'{k} {v}' for k, v in SIZES[name].items())})", "",
            "| compile budget | peak | time | gradients | remat plan at or below | peak | time | gradients |",
            "|---|---|---|---|---|---|---|---|"]
     for c, r in pairs:
-        left = f"| {c.label} | {c.peak / ref.peak:.3f} | {ratio_to(times[id(c)], times[id(ref)]):.2f}x | " \
+        left = f"| {c.label} | {c.peak / ref.peak:.3f} | {ratio[id(c)]:.2f}x | " \
                f"{_gaps(c, ref_loss, ref_grads)} |"
         right = " none reaches it | | | |" if r is None else \
-            f" {r.label} | {r.peak / ref.peak:.3f} | {ratio_to(times[id(r)], times[id(ref)]):.2f}x | " \
+            f" {r.label} | {r.peak / ref.peak:.3f} | {ratio[id(r)]:.2f}x | " \
             f"{_gaps(r, ref_loss, ref_grads)} |"
         out.append(left + right)
-    monotone = all(a.peak >= b.peak for a, b in zip(sweep[::-1], sweep[-2::-1]))
-    out += ["", f"Reference (compiled, no checkpointing): {human_bytes(ref.peak)}. remat sweep, budget: compiled peak "
-            f"(of the reference), from the floor up: " + ", ".join(f"{s.label} {s.peak / ref.peak:.3f}" for s in sweep)
-            + f"; monotone in the budget: {'yes' if monotone else 'NO'}. Compiles: "
+    monotone = all(a.peak <= b.peak for a, b in zip(sweep, sweep[1:], strict=False))
+    dominated = [(c.label, r.label) for c in compiled[1:] for r in sweep
+                 if c.peak < r.peak and ratio[id(c)] < ratio[id(r)]]
+    out += ["", f"Reference (compiled, no checkpointing): {human_bytes(ref.peak)}. remat sweep, from the floor up "
+            "(compiled peak of the reference, time): " + ", ".join(
+                f"{s.label} {s.peak / ref.peak:.3f} {ratio[id(s)]:.2f}x" for s in sweep)
+            + f". remat's peaks monotone in the budget: {'yes' if monotone else 'NO'}. remat points dominated by "
+            f"a compile budget (lower peak and time): {dominated or 'none'}. Compiles: "
             + ", ".join(f"{s.compile_s:.0f}" for s in [*compiled, *sweep]) + " s.", ""]
     return out
 
@@ -168,7 +173,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama,vit")
     parser.add_argument("--budgets", default="1,0.8,0.5,0.3,0.1,0")
     parser.add_argument("--backend", default="aot_eager")
-    parser.add_argument("--sweep", type=int, default=8, help="remat budgets between the plan floor and 1")
+    parser.add_argument("--sweep", type=int, default=10, help="remat budgets between the plan floor and 1")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]

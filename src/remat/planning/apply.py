@@ -127,11 +127,16 @@ def auto(
     A compiled step keeps fewer tensors than the eager one (fusion, the partitioner), so
     an eager plan is needlessly tight under compile. With ``compiled=True`` (or a
     ``torch.compile`` backend name such as ``"aot_eager"``) auto measures the compiled step
-    without checkpointing (allocator-level, ``remat.core._compiled.compiled_peak``); a
-    fractional budget is a fraction of that peak; candidate plans are chosen from the eager
-    profile with their predicted peaks scaled by compiled / eager baseline, and each is
-    verified by a compiled step (a recompile each: seconds to minutes). The plan says
-    ``execution="compiled"``; its ``measured_peak_bytes`` is the compiled step's.
+    without checkpointing (allocator-level, ``remat.core.measure.compiled_peak``); a
+    fractional budget is a fraction of that peak. On a chain of blocks, auto measures the
+    compiled steps of ``remat.planning._compiled.design`` (15 plans; 9 for two blocks) and
+    plans with the chain fitted to them (NOTE [Predicting compiled peaks]); on any other
+    model, with the eager profile's peaks scaled by compiled / eager peak without
+    checkpointing. Either way the chosen plan is verified by a compiled step and re-planned
+    as above if over. Each compiled step is a recompile (seconds to minutes) and resets
+    dynamo's caches (NOTE [Each compiled measurement starts from an empty dynamo cache]).
+    Plans are one level deep (nested segments are not modelled under compile). The plan
+    says ``execution="compiled"``; its ``measured_peak_bytes`` is the compiled step's.
 
     Nothing is applied when profiling, planning or verification fails. A ``torch.compile``'d
     model is profiled and verified eagerly (the module it wraps, which gets the plan); its
