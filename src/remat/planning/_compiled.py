@@ -21,9 +21,9 @@ another policy than the rest). The fit minimises the largest relative error, the
 ``margin`` (the most any of its own measurements lies above the fit) is added to every
 prediction, so the model never predicts below what it was fitted to. Measured on all 27
 assignments of 3-block zoo models (hidden 32, 4 x 128 tokens, ``aot_eager``, CPU): GPT-2
-within -0.4% to +4.8%, Llama -8.7% to +9.7%. Llama's peaks depend on block positions in a
-way no chain of this shape follows: fitted to all 27, its error is still up to 9.0% (all
-on the safe side, after the margin). ``remat.auto`` therefore still verifies the plan.
+within -0.4% to +4.8%, Llama -8.7% to +9.7%. Fitted to all 27, Llama's error stays up to
+9.0% (on the safe side, after the margin): its peaks depend on block positions in a way
+this chain, or this fit of it, does not follow. ``remat.auto`` therefore still verifies the plan.
 
 The fitted chain is written as a ``Profile`` (``chain_profile``): the same forward and
 backward segments as the eager profile, each block's costs replaced by the fitted ones,
