@@ -1,29 +1,33 @@
-"""remat plans under torch.compile against compile's own ``activation_memory_budget``.
+"""remat plans under torch.compile against compile's own ``activation_memory_budget``, at equal measured peaks.
 
-    PYTHONPATH=src python benchmarks/compile_budget.py                  # gpt2 and llama, small CPU sizes
-    PYTHONPATH=src python benchmarks/compile_budget.py --models gpt2 --budgets 1,0.5,0.1 --repeat 5
+    PYTHONPATH=src python benchmarks/compile_budget.py                        # gpt2, llama, vit; aot_eager
+    PYTHONPATH=src python benchmarks/compile_budget.py --models gpt2 --backend inductor --rounds 7
 
-For each zoo model (small sizes, below), compiled with inductor:
+Per zoo model (small sizes, below; GPT-2 and ViT with dropout 0.1):
 
-* compile's budget: ``torch._functorch.config.activation_memory_budget`` at each budget,
-  no checkpointing in the model (budget 1 is the compiled reference);
-* remat + compile: the same model with a remat plan (every block keep / selective / full,
-  and mixes), each block torch's checkpoint operator under compile.
+* compile's budget: ``torch._functorch.config.activation_memory_budget`` at each of
+  ``--budgets``, no checkpointing in the model; budget 1 is the reference (compiled,
+  no checkpointing);
+* remat + compile: ``remat.plan`` at a sweep of budgets (``--sweep`` points between the
+  plan floor and 1), each plan applied and compiled; its compiled peak measured.
 
-Per setup: the compiled step's peak from the CPU allocator's own reports
-(``measure_peak(allocator=True)``, after a step that compiles), its ratio to the
-reference's, the median step time of ``--repeat`` steps (after 2 warm-ups) as a ratio to
-the reference's, and a gradient self-consistency check with the model's dropout: the same
-seed gives the same forward masks (equal loss), so the gradients must equal the
-reference's up to float reassociation of fused kernels; a backward that draws other masks
-than its forward shows as a gap orders of magnitude larger. Prints a markdown table.
+Each compile point is matched with the remat plan whose measured compiled peak is the
+highest at or below the compile point's peak (equal or lower memory). Every setup is
+timed in the same interleaved rounds (``remat.bench``'s rounds,
+every setup once per round in a shuffled order, ratios to the reference within a round,
+median over rounds). Gradients: one step with the same seed for every setup; loss and
+largest gradient difference against the reference (``torch.equal`` is "= ref").
+
+Peaks: the CPU allocator's own reports of one compiled step after the step that
+compiles (``measure_peak(allocator=True)``), with the model's parameters and inputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import platform
-import statistics
 import time
 from typing import Any
 
@@ -31,6 +35,8 @@ import torch
 
 import remat
 from remat import zoo
+from remat.bench._rounds import interleaved_rounds, ratio_to
+from remat.core._step import training_step
 from remat.core.measure import measure_peak
 from remat.profiling._format import human_bytes
 
@@ -38,87 +44,148 @@ SIZES = {
     "gpt2": {"layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seq": 128, "batch": 4, "dropout": 0.1},
     "llama": {"layers": 4, "hidden": 128, "intermediate": 344, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 128,
               "batch": 4},
-}
-PLANS = {
-    "keep all": ("keep",),
-    "selective all": ("selective",),
-    "full, keep": ("full", "keep"),
-    "full, selective": ("full", "selective"),
-    "full all": ("full",),
+    "vit": {"layers": 4, "hidden": 128, "intermediate": 512, "heads": 4, "image": 64, "patch": 8, "classes": 10,
+            "batch": 8, "dropout": 0.1},
 }
 
 
-def _step(model: Any, inputs: dict, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = model(**inputs).loss
-    loss.backward()
-    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+class Setup:
+    """One compiled training step: a copy of the model, compiled under its own budget (and plan)."""
 
-
-def _run(built: zoo.ZooModel, budget: float, repeat: int) -> dict[str, Any]:
-    """Peak, median step time, loss and gradients of one compiled setup (compiles first)."""
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        compiled = torch.compile(built.model)
+    def __init__(self, label: str, built: zoo.ZooModel, backend: str, budget: float = 1.0,
+                 plan: remat.Plan | None = None) -> None:
+        self.label, self.budget, self.plan, self.inputs, self.loss_fn = label, budget, plan, built.inputs, built.loss_fn
+        model = copy.deepcopy(built.model)
+        if plan is not None:
+            remat.apply(model, plan)
+        self.model = torch.compile(model, backend=_own_backend(backend))
         start = time.perf_counter()
-        _step(compiled, built.inputs, seed=0)  # compiles
-        compile_s = time.perf_counter() - start
-        peak, _, _ = measure_peak(compiled, built.inputs, built.loss_fn, allocator=True)
-        times = []
-        for i in range(2 + repeat):
+        self.peak = self._peak()  # the first step compiles
+        self.compile_s = time.perf_counter() - start
+
+    def _patched(self) -> contextlib.AbstractContextManager:
+        return torch._functorch.config.patch(activation_memory_budget=self.budget)
+
+    def _peak(self) -> int:
+        with self._patched():
+            measure_peak(self.model, self.inputs, self.loss_fn, allocator=True)
+            peak, _, _ = measure_peak(self.model, self.inputs, self.loss_fn, allocator=True)
+        return peak
+
+    def timed(self) -> float:
+        with self._patched():
+            self.model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            _step(compiled, built.inputs, seed=i)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        loss, grads = _step(compiled, built.inputs, seed=1234)
-    return {"peak": peak, "time": statistics.median(times), "loss": loss, "grads": grads, "compile_s": compile_s}
+            training_step(self.model, self.inputs, self.loss_fn)
+            return time.perf_counter() - start
+
+    def gradients(self, seed: int = 1234) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with self._patched():
+            self.model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            loss = training_step(self.model, self.inputs, self.loss_fn)
+        return loss, [p.grad.detach().clone() for p in self.model.parameters()]
 
 
-def _gap(row: dict, ref: dict) -> tuple[float, float]:
-    loss_gap = float((row["loss"] - ref["loss"]).abs())
-    grad_gap = max(float((a - b).abs().max()) for a, b in zip(row["grads"], ref["grads"], strict=True))
-    return loss_gap, grad_gap
+def _own_backend(name: str) -> Any:
+    """``name``'s compiler as a new callable: dynamo guards each compiled entry on its backend, so copies of one
+    model compiled under different budgets keep their own graphs (with one backend they share the first)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    compiler = lookup_backend(name)
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Any:
+        return compiler(graph, example_inputs)
+
+    return backend
 
 
-def _rows(name: str, budgets: list[float], repeat: int) -> list[tuple[str, dict]]:
+def _policies(plan: remat.Plan) -> str:
+    short = {"keep": "k", "selective": "s", "full": "f"}
+    return "".join(short[p] for p in plan.assignment.values())
+
+
+def remat_sweep(built: zoo.ZooModel, backend: str, points: int) -> list[Setup]:
+    """remat plans at ``points`` budgets from the one-level floor to 1, distinct assignments, compiled."""
+    prof = remat.profile(built.model, built.inputs, built.loss_fn)
+    floor = remat.plan(prof, strategy="none", nested=False).min_peak_bytes / prof.baseline_peak_bytes
+    fractions = [floor + (1 - floor) * i / (points - 1) for i in range(points)]
+    setups, seen = [], set()
+    for fraction in fractions:
+        plan = remat.plan(prof, min(1.0, fraction + 1e-9), nested=False)
+        key = tuple(plan.assignment.items())
+        if key not in seen:
+            seen.add(key)
+            setups.append(Setup(f"remat {fraction:.2f} ({_policies(plan)})", built, backend, plan=plan))
+    return setups
+
+
+def match(point: Setup, sweep: list[Setup]) -> Setup | None:
+    """The remat setup with the highest peak at or below ``point``'s."""
+    fitting = [s for s in sweep if s.peak <= point.peak]
+    return max(fitting, key=lambda s: s.peak) if fitting else None
+
+
+def _gaps(setup: Setup, ref_loss: torch.Tensor, ref_grads: list[torch.Tensor]) -> str:
+    loss, grads = setup.gradients()
+    if torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)):
+        return "= ref"
+    gap = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads, strict=True))
+    return f"loss {float((loss - ref_loss).abs()):.1e}, grad {gap:.1e}"
+
+
+def model_table(name: str, budgets: list[float], backend: str, points: int, rounds: int) -> list[str]:
     built = zoo.build(name, **SIZES[name])
-    rows = [(f"compile budget {b:g}", _run(built, b, repeat)) for b in budgets]
-    for label, policies in PLANS.items():
-        for block, policy in zip(built.blocks, policies * len(built.blocks), strict=False):
-            remat.wrap(built.model.get_submodule(block), policy=policy)
-        rows.append((f"remat: {label}", _run(built, 1.0, repeat)))
-        remat.remove(built.model)
-    return rows
-
-
-def _table(name: str, rows: list[tuple[str, dict]]) -> list[str]:
-    ref = next(r for label, r in rows if label == "compile budget 1")
+    torch._dynamo.reset()
+    compiled = [Setup(f"compile {b:g}", built, backend, budget=b) for b in budgets]
+    ref = compiled[0]
+    sweep = remat_sweep(built, backend, points)
+    pairs = [(c, match(c, sweep)) for c in compiled]
+    timed = [*compiled, *sweep]  # every setup, so that dominance can be checked against every remat point
+    times = dict(zip(map(id, timed), interleaved_rounds([s.timed for s in timed], warmup=2, repeat=rounds),
+                     strict=True))
+    ratio = {id(s): ratio_to(times[id(s)], times[id(ref)]) for s in timed}
+    ref_loss, ref_grads = ref.gradients()
     out = [f"### {name} ({', '.join(f'{k} {v}' for k, v in SIZES[name].items())})", "",
-           "| setup | peak | of budget 1 | step time | vs budget 1 | loss gap | max grad gap | compile |",
+           "| compile budget | peak | time | gradients | remat plan at or below | peak | time | gradients |",
            "|---|---|---|---|---|---|---|---|"]
-    for label, row in rows:
-        loss_gap, grad_gap = _gap(row, ref)
-        out.append(
-            f"| {label} | {human_bytes(row['peak'])} | {row['peak'] / ref['peak']:.2f} | {row['time'] * 1e3:.0f} ms | "
-            f"{row['time'] / ref['time']:.2f}x | {loss_gap:.1e} | {grad_gap:.1e} | {row['compile_s']:.0f} s |"
-        )
-    return [*out, ""]
+    for c, r in pairs:
+        left = f"| {c.label} | {c.peak / ref.peak:.3f} | {ratio[id(c)]:.2f}x | " \
+               f"{_gaps(c, ref_loss, ref_grads)} |"
+        right = " none reaches it | | | |" if r is None else \
+            f" {r.label} | {r.peak / ref.peak:.3f} | {ratio[id(r)]:.2f}x | " \
+            f"{_gaps(r, ref_loss, ref_grads)} |"
+        out.append(left + right)
+    monotone = all(a.peak <= b.peak for a, b in zip(sweep, sweep[1:], strict=False))
+    dominated = [(c.label, r.label) for c in compiled[1:] for r in sweep
+                 if c.peak < r.peak and ratio[id(c)] < ratio[id(r)]]
+    out += ["", f"Reference (compiled, no checkpointing): {human_bytes(ref.peak)}. remat sweep, from the floor up "
+            "(compiled peak of the reference, time): " + ", ".join(
+                f"{s.label} {s.peak / ref.peak:.3f} {ratio[id(s)]:.2f}x" for s in sweep)
+            + f". remat's peaks monotone in the budget: {'yes' if monotone else 'NO'}. remat points dominated by "
+            f"a compile budget (lower peak and time): {dominated or 'none'}. Compiles: "
+            + ", ".join(f"{s.compile_s:.0f}" for s in [*compiled, *sweep]) + " s.", ""]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt2,llama")
-    parser.add_argument("--budgets", default="1,0.5,0.1,0")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--models", default="gpt2,llama,vit")
+    parser.add_argument("--budgets", default="1,0.8,0.5,0.3,0.1,0")
+    parser.add_argument("--backend", default="aot_eager")
+    parser.add_argument("--sweep", type=int, default=10, help="remat budgets between the plan floor and 1")
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
-    if 1.0 not in budgets:
-        budgets.insert(0, 1.0)  # the reference
+    budgets = [1.0, *(b for b in budgets if b != 1.0)]  # the reference first
+    # Every setup is its own model copy: more compiled versions of one forward than dynamo's default 8.
+    torch._dynamo.config.recompile_limit = 256
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, inductor, CPU allocator peaks\n")
+          f"{torch.get_num_threads()} threads, {args.backend}, CPU allocator peaks\n", flush=True)
     for name in args.models.split(","):
-        print("\n".join(_table(name, _rows(name, budgets, args.repeat))), flush=True)
+        start = time.perf_counter()
+        print("\n".join(model_table(name, budgets, args.backend, args.sweep, args.rounds)), flush=True)
+        print(f"({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -182,11 +182,22 @@ def measure(
 def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str) -> int:
     """Peak bytes of one ``torch.compile(model, backend=backend)`` training step, allocator-level.
 
-    One step compiles first (or recompiles: dynamo guards on each block's ``forward``), so
-    the compiler's own allocations are not counted. Gradients, buffers and RNG are left as
-    the steps left them: the caller restores the model.
+    One step compiles first, so the compiler's own allocations are not counted. Gradients,
+    buffers and RNG are left as the steps left them: the caller restores the model.
+
+    NOTE [Each compiled measurement starts from an empty dynamo cache]
+    Every plan is a recompile of the same ``forward`` (dynamo guards on each block's), and
+    past ``torch._dynamo.config.recompile_limit`` (8) compiles of one function dynamo runs
+    it eagerly without a word: ``remat.auto(compiled=...)`` measures about ten plans, so the
+    later ones would be eager steps, and a user's own ``torch.compile`` after it would meet
+    a full cache. Hence ``torch._dynamo.reset()`` before and after: other compiled functions
+    of the process recompile on their next call (time, not correctness).
     """
-    compiled = torch.compile(eager_module(model), backend=backend)
-    measure_peak(compiled, inputs, loss_fn, allocator=True)
-    peak, _, _ = measure_peak(compiled, inputs, loss_fn, allocator=True)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(eager_module(model), backend=backend)
+        measure_peak(compiled, inputs, loss_fn, allocator=True)
+        peak, _, _ = measure_peak(compiled, inputs, loss_fn, allocator=True)
+    finally:
+        torch._dynamo.reset()
     return peak

@@ -24,6 +24,7 @@ from remat.core._user_errors import model_errors, require_module
 from remat.core.checkpoint import unwrap, wrap
 from remat.core.measure import compiled_peak, measure_peak
 from remat.errors import RematError
+from remat.planning._compiled import chain_profile, design, fit, is_chain
 from remat.planning._plan_checks import check_plan_fits
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._format import human_bytes
@@ -128,11 +129,16 @@ def auto(
     A compiled step keeps fewer tensors than the eager one (fusion, the partitioner), so
     an eager plan is needlessly tight under compile. With ``compiled=True`` (or a
     ``torch.compile`` backend name such as ``"aot_eager"``) auto measures the compiled step
-    without checkpointing (allocator-level, ``remat.core._compiled.compiled_peak``); a
-    fractional budget is a fraction of that peak; candidate plans are chosen from the eager
-    profile with their predicted peaks scaled by compiled / eager baseline, and each is
-    verified by a compiled step (a recompile each: seconds to minutes). The plan says
-    ``execution="compiled"``; its ``measured_peak_bytes`` is the compiled step's.
+    without checkpointing (allocator-level, ``remat.core.measure.compiled_peak``); a
+    fractional budget is a fraction of that peak. On a chain of blocks, auto measures the
+    compiled steps of ``remat.planning._compiled.design`` (15 plans; 9 for two blocks) and
+    plans with the chain fitted to them (NOTE [Predicting compiled peaks]); on any other
+    model, with the eager profile's peaks scaled by compiled / eager peak without
+    checkpointing. Either way the chosen plan is verified by a compiled step and re-planned
+    as above if over. Each compiled step is a recompile (seconds to minutes) and resets
+    dynamo's caches (NOTE [Each compiled measurement starts from an empty dynamo cache]).
+    Plans are one level deep (nested segments are not modelled under compile). The plan
+    says ``execution="compiled"``; its ``measured_peak_bytes`` is the compiled step's.
 
     Nothing is applied when profiling, planning or verification fails. A ``torch.compile``'d
     model is profiled and verified eagerly (the module it wraps, which gets the plan); its
@@ -239,18 +245,43 @@ class _Candidates:
         return plan, measured
 
 
+def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str) -> tuple[Any, int, str]:
+    """(the profile to plan the compiled step with, its compiled peak without checkpointing, a note).
+
+    A chain of blocks gets the fitted compiled chain (NOTE [Predicting compiled peaks]); any other model
+    the eager profile, whose peaks the caller scales by the compiled / eager peak without checkpointing.
+    """
+    names = [b.name for b in prof.blocks]
+    keep = make_plan(prof, strategy="none", nested=False)
+
+    def measure(policies: tuple[str, ...]) -> int:
+        return _measured(model, inputs, loss_fn, replace(keep, assignment=dict(zip(names, policies, strict=True))),
+                         backend)
+
+    baseline = measure(("keep",) * len(names))
+    if not is_chain(prof):
+        return prof, baseline, "Not a chain of blocks: eager predictions scaled by the compiled peak."
+    peaks = {a: measure(a) for a in design(prof.policies, len(names))}
+    chained = chain_profile(prof, fit(peaks, prof.resting_bytes), label=f"compiled ({backend})")
+    return chained, baseline, chained.notes[-1]
+
+
 def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None) -> Plan:
     # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
     baseline = prof.baseline_peak_bytes
     notes: list[str] = []
+    scale = 1.0
     if backend is not None:
-        baseline = _measured(model, inputs, loss_fn, make_plan(prof, strategy="none"), backend)
-        notes.append(f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
-                     f"{baseline / prof.baseline_peak_bytes:.2f} of the eager peak.")
-    scale = prof.baseline_peak_bytes / baseline
+        eager_baseline = baseline
+        planned, baseline, note = _compiled_profile(model, inputs, loss_fn, prof, backend)
+        notes += [f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
+                  f"{baseline / eager_baseline:.2f} of the eager peak.", note]
+        scale = 1.0 if planned is not prof else eager_baseline / baseline
+        prof = planned
     execution = "eager" if backend is None else "compiled"
     limit = parse_budget(budget, baseline)
     candidates = _Candidates(model, inputs, loss_fn, prof, backend, notes)
+    candidates.nested = backend is None  # nested regions are not modelled (nor tested) under compile
     target, margin = limit, 0
     for _ in range(REPLANS + 1):
         try:
