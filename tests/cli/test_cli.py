@@ -446,3 +446,12 @@ def test_hand_made_plan_over_the_budget_is_said(models, monkeypatch, capsys):
     assert plan.predicted_peak_bytes > plan.budget_bytes
     warning = [line for line in err.splitlines() if line.startswith("remat: warning:")]
     assert len(warning) == 1 and "over the budget" in warning[0] and str(plan.predicted_peak_bytes) in warning[0]
+
+
+def test_policies_option_profiles_the_policies_asked_for():
+    data = ok_json(run_cli("profile", "gpt2", *GPT2, "--fake", "--policies", "keep,selective-ops,full,full-fine",
+                           "--json"))
+    assert data["policies"] == ["keep", "selective-ops", "full", "full-fine"]
+    assert all(set(b["extra_time_s"]) == {"keep", "selective-ops", "full", "full-fine"} for b in data["blocks"])
+    proc = run_cli("profile", "gpt2", *GPT2, "--fake", "--policies", "keep,half")
+    assert proc.returncode == 2 and "unknown policies ['half']" in proc.stderr, proc.stderr

@@ -74,6 +74,7 @@ def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
         return remat.profile(
             loaded.model, loaded.inputs, loaded.loss_fn, blocks=_blocks(args.blocks), repeat=args.repeat,
             fake=args.fake, target=args.target if args.fake else None,
+            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         )
 
 
