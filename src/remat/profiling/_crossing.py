@@ -191,11 +191,14 @@ def swap_excesses(
 ) -> dict[str, dict[str, int]]:
     """swap[q][m] for one recomputation (NOTE [Where a recomputation runs]); ``runs``: per policy that ran it,
     its record (segment, delta, excess, allocs, span); ``crowded``: segments hosting several such blocks."""
+    # Runs that recomputed it in its own backward (selective by module: a region reruns when its block's
+    # backward needs it, not when the aux backward passes) take no part: that segment is theirs anyway.
+    runs = {p: r for p, r in runs.items() if r["segment"][1] != block}
     hosts = {tuple(r["segment"]) for r in runs.values()}
     if len(hosts) != 1:
         return {}
     (host,) = hosts
-    if host[1] == block or host in crowded or any(r.get("span") is None for r in runs.values()):
+    if host in crowded or any(r.get("span") is None for r in runs.values()):
         return {}
     if any(host not in t for t in trajectories.values()):
         return {}
@@ -263,14 +266,18 @@ def corrections(
 def _swapped(r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequence[tuple[Key, str]],
              out: dict[int, list]) -> bool:
     """Apply ``r``'s swap table to its hosting segment; False where the walk has no such segment."""
-    (host,) = set(r.at.values())
+    (host,) = {key for key in r.at.values() if key[1] != r.block}
     i = position.get(host)
     if i is None:
         return False
     taken_from = steps[i][1]
     if taken_from == mine:
         return True
+
+    def kept_here(policy: str) -> int:  # a run that recomputed it in its own backward left nothing here
+        return r.kept(policy) if r.at.get(policy) == host else 0
+
     entry = out.setdefault(i, [0, 0, 0])
-    entry[0] += r.kept(mine) - r.kept(taken_from)
+    entry[0] += kept_here(mine) - kept_here(taken_from)
     entry.append(r.swap[taken_from][mine])  # one swap per segment: crowded segments get no table
     return True
