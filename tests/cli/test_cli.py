@@ -187,8 +187,9 @@ def test_profile_verbose_says_where_the_time_went():
     proc = run_cli("profile", "gpt2", *GPT2, "--repeat", "2", "-v")
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stderr.splitlines() if "remat.profile:" in ln)
-    # One traced step per policy (also the warm-up), then the timed steps asked for: 2 per policy.
-    assert "3 traced steps" in line and "6 timed steps" in line and "warm-up" not in line
+    # One traced step per policy (also the warm-up), then the timed steps asked for: 2 per policy
+    # (keep, selective, selective-ops, full).
+    assert "4 traced steps" in line and "8 timed steps" in line and "warm-up" not in line
     assert "s in all" in line and "training steps without checkpointing" in line
 
 

@@ -165,3 +165,34 @@ def test_full_fine_blocks_inside_a_nested_segment_are_exact():
     measured = remat.measure(zoo.model, zoo.inputs, repeat=1, warmup=1).peak_bytes
     remat.remove(zoo.model)
     assert plan.predicted_peak_bytes == measured
+
+
+def test_auto_profiles_full_fine_only_when_no_other_plan_reaches_the_budget(monkeypatch):
+    import remat.planning.apply as apply_module
+
+    calls = []
+    profile = apply_module.make_profile
+
+    def counting(*args, **kwargs):
+        calls.append(tuple(kwargs.get("policies", ("keep", "selective", "full"))))
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(apply_module, "make_profile", counting)
+    zoo = _zoo("gpt2")
+    fine = remat.profile(zoo.model, zoo.inputs, policies=POLICIES, repeat=1)
+    coarse_floor = remat.plan(remat.profile(zoo.model, zoo.inputs, repeat=1), strategy="none").min_peak_bytes
+    fine_floor = remat.plan(fine, strategy="none").min_peak_bytes
+    assert fine_floor < coarse_floor
+    calls.clear()
+    budget = (fine_floor + coarse_floor) // 2
+    plan = remat.auto(zoo.model, zoo.inputs, budget, repeat=1)
+    assert len(calls) == 2 and "full-fine" in calls[1] and "full-fine" not in calls[0]
+    assert "full-fine" in plan.assignment.values() and plan.measured_peak_bytes <= budget
+    assert any("full-fine" in note for note in plan.notes)
+    remat.remove(zoo.model)
+    calls.clear()
+    remat.auto(zoo.model, zoo.inputs, coarse_floor + 4096, repeat=1)  # reachable: one profile
+    assert len(calls) == 1
+    remat.remove(zoo.model)
+    with pytest.raises(remat.RematError, match="full-fine"):
+        remat.plan(remat.profile(zoo.model, zoo.inputs, repeat=1), budget)  # the plain planner says how

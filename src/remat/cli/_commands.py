@@ -123,15 +123,17 @@ def _profile_table(data: dict[str, Any]) -> Table:
     unit, scale = _time_unit(data["step_time_s"])
     flop_unit, flop_scale = ("GFLOP", 1e9) if max((b["fwd_flops"] for b in data["blocks"]), default=0) >= 1e9 \
         else ("MFLOP", 1e6)
-    columns = ("in", "out", "kept\nkeep", "kept\nsel", "kept\nfull", f"fwd\n{unit}", f"bwd\n{unit}",
-               f"+{unit}\nsel", f"+{unit}\nfull", f"{flop_unit}\nfwd", "peak if\nfull")
+    shown = [k for k in data.get("policies", ("keep", "selective", "full")) if k != "keep"]
+    short = {"selective": "sel", "selective-ops": "sel-ops"}
+    columns = ("in", "out", "kept\nkeep", *(f"kept\n{short.get(k, k)}" for k in shown), f"fwd\n{unit}",
+               f"bwd\n{unit}", *(f"+{unit}\n{short.get(k, k)}" for k in shown), f"{flop_unit}\nfwd", "peak if\nfull")
     table = _table(f"{data['model']} ({data['source']}): {len(data['blocks'])} blocks, {kind}",
                    [b["name"] for b in data["blocks"]], columns)
     base = data["baseline_peak_bytes"]
     for b in data["blocks"]:
         saved = [human_bytes(b["saved_bytes"][k]) if k in b["saved_bytes"] else "-"
-                 for k in ("keep", "selective", "full")]
-        extra = [_num(b["extra_time_s"][k] * scale) if k in b["extra_time_s"] else "-" for k in ("selective", "full")]
+                 for k in ("keep", *shown)]
+        extra = [_num(b["extra_time_s"][k] * scale) if k in b["extra_time_s"] else "-" for k in shown]
         full = b["peak_if_full_bytes"]
         table.add_row(
             escape(b["name"]), human_bytes(b["input_bytes"]), human_bytes(b["output_bytes"]), *saved,

@@ -128,9 +128,9 @@ def _profile_parent() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=("h100", "a100", "cpu"), help="with --fake: the device whose roofline times ops")
     p.add_argument("--blocks", metavar="auto|coarse|fine|A,B,...", help="the checkpointing units (default auto)")
     p.add_argument("--repeat", type=int, default=3, metavar="N", help="timed steps per policy (default 3)")
-    p.add_argument("--policies", metavar="P,P,...", default="keep,selective,full",
-                   help="the policies to profile and plan with (default keep,selective,full; also selective-ops: "
-                        "op by op, leaner where each op's Python costs little; full-fine: lower floor)")
+    p.add_argument("--policies", metavar="P,P,...", default="keep,selective,selective-ops,full",
+                   help="the policies to profile and plan with (default keep,selective,selective-ops,full; also "
+                        "full-fine: a lower floor)")
     return p
 
 

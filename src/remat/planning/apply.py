@@ -16,7 +16,7 @@ from torch import nn
 
 from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
-from remat.core._fine import FINE, unwrap_fine, wrap_fine
+from remat.core._fine import FINE, inner_layers, unwrap_fine, wrap_fine
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._segment import schedule_segments, unschedule
 from remat.core._state import capture
@@ -153,17 +153,55 @@ def auto(
     disable_cache(model)
     try:
         prof = make_profile(model, inputs, loss_fn, **profile_options)
-        if verify and not prof.fake:
-            chosen = _verified_plan(model, inputs, loss_fn, prof, budget, backend)
-        else:
-            chosen = make_plan(prof, budget)
-            _put(model, chosen)
+        try:
+            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify)
+        except _Unreachable:
+            if not _may_go_finer(model, prof, backend, profile_options):
+                raise
+            # NOTE [Finer only when needed]
+            prof = make_profile(model, inputs, loss_fn, **{**profile_options, "policies": (*prof.policies, FINE)})
+            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify)
+            note = (f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
+                    f"{FINE} (each block's sub-layers checkpointed inside its recomputation).")
+            chosen = replace(chosen, notes=(*chosen.notes, note))
     except Exception:
         remove(model)
         raise
     if not chosen.checkpointed:
         restore_cache(model)
     return chosen
+
+
+# NOTE [Finer only when needed]
+# ``full-fine`` lowers the floor (a recomputed block's transient is one sub-layer's, issue
+# #19) but profiling it costs one more traced step and its timed rounds, which every
+# profile would pay for the few budgets that need it. So auto profiles the default
+# policies first and, when no plan of theirs reaches the budget (eager execution, the
+# policies not chosen by the caller, blocks with sub-layers), profiles once more with
+# ``full-fine`` and plans again.
+class _Unreachable(RematError):
+    """No plan on this profile reaches the budget (predicted, or measured by auto's verification)."""
+
+
+def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
+                  verify: bool) -> Plan:
+    if verify and not prof.fake:
+        return _verified_plan(model, inputs, loss_fn, prof, budget, backend)
+    try:
+        chosen = make_plan(prof, budget)
+    except RematError as exc:
+        if parse_budget(budget, prof.baseline_peak_bytes) < make_plan(prof, strategy="none").min_peak_bytes:
+            raise _Unreachable(str(exc)) from exc
+        raise
+    _put(model, chosen)
+    return chosen
+
+
+def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:
+    if backend is not None or "policies" in profile_options or FINE in prof.policies:
+        return False
+    modules = dict(model.named_modules())
+    return any(inner_layers(modules[b.name]) for b in prof.blocks)
 
 
 def _compile_backend(compiled: bool | str, verify: bool, profile_options: dict) -> str | None:
@@ -307,7 +345,7 @@ def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budge
         return replace(lowest, budget_bytes=limit, measured_peak_bytes=measured, notes=tuple(notes),
                        execution=execution)
     remove(model)
-    raise RematError(
+    raise _Unreachable(
         f"remat.auto: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the "
         f"{human_bytes(baseline)} {execution} peak without checkpointing) cannot be met: the lowest-peak plan "
         f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "

@@ -345,7 +345,10 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
             f"remat.plan: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the baseline) is "
             f"below the lowest peak any plan reaches on this profile: {human_bytes(minimum)} ({minimum} bytes, "
             f"{minimum / baseline:.3f} of the baseline {human_bytes(baseline)}). Raise the budget to at least "
-            "that, or lower the batch size / sequence length."
+            "that, or lower the batch size / sequence length"
+            + ("" if "full-fine" in profile.policies else ", or profile with policies=(..., 'full-fine') (each "
+               "block's sub-layers checkpointed inside its recomputation: a lower floor; remat.auto does so itself)")
+            + "."
         )
     chain = chain_of(profile)
     if chain is not None:

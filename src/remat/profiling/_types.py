@@ -218,17 +218,19 @@ class Profile:
 
 
 def profile_table(p: Profile) -> str:
-    header = ["block", "in", "out", "saved keep", "saved sel", "saved full", "fwd ms", "bwd ms",
-              "+ms sel", "+ms full", "GFLOP fwd", "peak if full"]
+    shown = [k for k in p.policies if k != "keep"]
+    short = {"selective": "sel", "selective-ops": "sel-ops"}
+    header = ["block", "in", "out", "saved keep", *(f"saved {short.get(k, k)}" for k in shown), "fwd ms", "bwd ms",
+              *(f"+ms {short.get(k, k)}" for k in shown), "GFLOP fwd", "peak if full"]
     base = p.baseline_peak_bytes
     rows = []
     for b in p.blocks:
         alone = p.predict_peak({b.name: "full"}) if "full" in p.policies else base
         rows.append([
             b.name, human_bytes(b.input_bytes), human_bytes(b.output_bytes),
-            *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in ("keep", "selective", "full")),
+            *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in ("keep", *shown)),
             f"{b.fwd_time_s * 1e3:.1f}", f"{b.bwd_time_s * 1e3:.1f}",
-            *(f"{b.extra_time_s[k] * 1e3:.1f}" if k in b.extra_time_s else "-" for k in ("selective", "full")),
+            *(f"{b.extra_time_s[k] * 1e3:.1f}" if k in b.extra_time_s else "-" for k in shown),
             f"{b.fwd_flops / 1e9:.2f}", f"{(alone - base) / base:+.1%}",
         ])
     kind = f"fake tensors, times modelled for {p.target}" if p.fake else f"measured on {p.device}"

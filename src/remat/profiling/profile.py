@@ -21,7 +21,7 @@ def profile(
     loss_fn: Any = None,
     *,
     blocks: str | list[str] | None = None,
-    policies: tuple[str, ...] = ("keep", "selective", "full"),
+    policies: tuple[str, ...] = ("keep", "selective", "selective-ops", "full"),
     warmup: int = 1,
     repeat: int = 3,
     fake: bool = False,
@@ -36,7 +36,11 @@ def profile(
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` or the sum of the outputs.
         blocks: the checkpointing units: ``"auto"`` (default), ``"coarse"``, ``"fine"``,
             or a list of module names.
-        policies: the policies to profile (``keep`` is always added).
+        policies: the policies to profile (``keep`` is always added). Both selective
+            policies by default: by module is cheap where each op's Python shows (fast
+            GPUs, bf16), op by op keeps less where attention runs unfused; the planner
+            weighs them per block. ``full-fine`` lowers the floor (``remat.auto`` adds it
+            itself when no other plan reaches the budget).
         warmup: untimed steps per policy before the timed ones; the traced step of each
             policy (memory and FLOPs) is the first of them.
         repeat: timed steps per policy; times are medians.
