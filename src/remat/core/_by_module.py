@@ -202,7 +202,10 @@ class _Frame:
         leaves, self.spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self.leaves = leaves
-        self.resident = {storage_key(t) for t in (*tensors, *module.parameters(), *module.buffers())}
+        self.inputs = {storage_key(t) for t in tensors}
+        self.resident = self.inputs | {storage_key(t) for t in (*module.parameters(), *module.buffers())}
+        self.saved_input = False
+        """The module saved one of its inputs itself: keeping them to rerun it costs nothing more."""
         self.autocast = _autocast_state(tensors)
         self.buffers = _buffers_before(writes)
         self.count = 0
@@ -213,19 +216,34 @@ class _Frame:
         self.output: torch.Tensor | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        if storage_key(t) in self.resident:  # an input, a parameter, a view of one: alive anyway
+        key = storage_key(t)
+        if key in self.resident:  # an input, a parameter, a view of one: alive anyway
+            self.saved_input |= key in self.inputs
             return t
         saved = _Saved(self, t, self.count)
         self.count += 1
         self.pending.append(saved)
         return saved
 
-    def settle(self) -> None:
-        """After the forward: drop what was saved, its own output too (NOTE [Outputs recomputed for their
-        consumers]); the inputs stay, for a consumer that needs the output again."""
+    def settle(self, out: torch.Tensor) -> bool:
+        """After the forward: drop what was saved. True when its output may be recomputed for its consumers
+        too (NOTE [Outputs recomputed for their consumers]): the module saved one of its inputs, which stay.
+        A module that saved none (ReLU, Tanh: their output) would keep inputs alive only to rerun it: it
+        keeps what it saved of its output and lets go of its inputs when that was all."""
+        if self.saved_input:
+            for saved in self.pending:
+                saved.tensor = None
+            self.pending = []
+            return True
+        outputs = _tensor_keys(out)
+        dropped = False
         for saved in self.pending:
-            saved.tensor = None
+            if storage_key(saved.tensor) not in outputs:
+                saved.tensor, dropped = None, True
         self.pending = []
+        if not dropped:
+            self.leaves = []
+        return False
 
     def output_as(self, view: _OutputView) -> torch.Tensor:
         """The output (recomputed when gone) as the consumer saved it; let go after the last consumer."""
@@ -320,7 +338,11 @@ def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]
 # (``_OutputView``: the region and the view's geometry), and the region drops its own
 # copies too. The first consumer to unpack in backward reruns the region once (its
 # inputs stay for that: alive anyway where the region saves them, as a norm does) and
-# the output is let go after the last consumer's unpack. Under autocast a Linear saves
+# the output is let go after the last consumer's unpack. Only regions whose module saved
+# one of its inputs take part (a ReLU saves its output: rerunning it would keep its input
+# alive for nothing, +26% on the seed CNN), and only while the output is unchanged (an
+# op in place on it since, ResNet's ReLU(inplace=True), changed what is saved: wrong
+# gradients before this check). Under autocast a Linear saves
 # its own copy of the output in the autocast dtype: a saved tensor whose autograd
 # history is views of such a copy (``ToCopyBackward0`` of a region output) is made
 # again the same way, so it is not kept either. Region calls inside the block push
@@ -348,18 +370,20 @@ class _Outputs:
     """The block-wide saved-tensor hooks of one fast-path call (NOTE [Outputs recomputed for their consumers])."""
 
     def __init__(self) -> None:
-        self.frames: dict[int, tuple[_Frame, int, weakref.ref]] = {}
-        self.nodes: dict[int, tuple[_Frame, Any, bool]] = {}
+        self.frames: dict[int, tuple[_Frame, int, weakref.ref, int]] = {}
+        self.nodes: dict[int, tuple[_Frame, Any, bool, weakref.ref, int]] = {}
 
     def register(self, frame: _Frame, out: torch.Tensor) -> None:
-        self.frames[storage_key(out)] = (frame, out.storage_offset(), weakref.ref(out))
-        self.nodes[id(out.grad_fn)] = (frame, out.grad_fn, out.is_contiguous())
+        self.frames[storage_key(out)] = (frame, out.storage_offset(), weakref.ref(out), out._version)
+        self.nodes[id(out.grad_fn)] = (frame, out.grad_fn, out.is_contiguous(), weakref.ref(out), out._version)
 
     def pack(self, t: torch.Tensor) -> Any:
         found = self.frames.get(storage_key(t))
         # A storage key is an address: once the output is gone the allocator may hand it to another tensor.
-        if found is not None and found[2]() is not None:
-            frame, base, _ = found
+        # An op written in place on it since (ResNet's ReLU(inplace=True) after a BatchNorm) changed what
+        # is saved: rerunning the region would give the values before it.
+        if found is not None and found[2]() is not None and t._version == found[3]:
+            frame, base, _, _ = found
             frame.consumers += 1
             return _OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base)
         frame = self._copied_from(t)
@@ -383,7 +407,8 @@ class _Outputs:
         found = self.nodes.get(id(source))
         if found is None or found[1] is not source or (reshaped and not found[2]):
             return None
-        return found[0]
+        out = found[3]()
+        return found[0] if out is not None and out._version == found[4] else None
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
@@ -404,8 +429,8 @@ class _RegionForward:
         frame = _Frame(self.forward, args, kwargs, self.module, self.writes, self.owner)
         with torch.autograd.graph.saved_tensors_hooks(frame.pack, _Frame.unpack):
             out = self.forward(*args, **kwargs)
-        frame.settle()
-        self.outputs.register(frame, out)
+        if frame.settle(out):
+            self.outputs.register(frame, out)
         return out
 
 
