@@ -114,7 +114,7 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
             for policy in policies:
                 switch.set(policy)
                 with mode, shadows:
-                    learn_structure(model, fake_inputs, policy)
+                    learn_structure(model, fake_inputs, loss_fn, policy)
                     traced[policy], io, _, ledgers[policy] = traced_step(
                         model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace
                     )

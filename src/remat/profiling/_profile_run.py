@@ -12,13 +12,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import nn
 
 from remat.core._hf import cache_disabled
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture
-from remat.core._step import LossFn, call_model, input_tensors, trainable_parameters, training_step
+from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, wrap
@@ -107,17 +106,19 @@ class _Policies:
                 m.__dict__["forward"] = forward
 
 
-def learn_structure(model: nn.Module, inputs: Any, policy: str) -> None:
-    """Run the forward once under ``policy`` when it is "selective", untraced.
+def learn_structure(model: nn.Module, inputs: Any, loss_fn: LossFn | None, policy: str) -> None:
+    """Run one untraced step under ``policy`` when it is "selective".
 
     A block's first selective call learns its cheap submodules op-level and later calls take the fast path
     (NOTE [Selective by module] in remat.core._by_module): the traced step must be a later call, as every
-    step of the applied plan is, or the profile would predict the op-level policy's memory. A forward is
-    enough to learn; the caller restores what it changed (buffers, RNG).
+    step of the applied plan is, or the profile would predict the op-level policy's memory. A forward would
+    be enough to learn, but a whole step leaves the model as steps do (FSDP keeps the root's parameters
+    unsharded after a forward alone, and the snapshot holds sharded ones); the caller restores what it
+    changed (parameters, gradients, buffers, RNG).
     """
     if policy == "selective":
-        with torch.enable_grad():
-            call_model(model, inputs)
+        training_step(model, inputs, loss_fn)
+        model.zero_grad(set_to_none=True)
 
 
 def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder) -> None:
@@ -269,7 +270,7 @@ def run_profile(
                 switch.set(policy)
                 if policy == "selective":
                     with phases.timing("learning"):
-                        learn_structure(model, inputs, policy)
+                        learn_structure(model, inputs, loss_fn, policy)
                     state.restore()
                 with phases.timing("traced"):
                     traced[policy], io, resting[policy], crossings[policy] = traced_step(model, inputs, loss_fn,
