@@ -41,13 +41,19 @@ def _bn_block():
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Dropout(0.2))
 
 
-def test_batchnorm_block_watched_once_then_copied_on_entry(mode_entries):
+def _wrapped_bn_model():
+    """A BatchNorm block (wrapped) before a lazy head, its twin unwrapped, and an input; lazy init run."""
     torch.manual_seed(0)
     ref = nn.Sequential(_bn_block(), nn.Flatten(), nn.LazyLinear(3))
     x = torch.randn(4, 3, 8, 8)
     ref(x)
     model = twin(ref)
     remat.wrap(model[0])
+    return ref, model, x
+
+
+def test_batchnorm_block_watched_once_then_copied_on_entry(mode_entries):
+    ref, model, x = _wrapped_bn_model()
     _steps_match(ref, model, x, 4)  # running stats advance once per step, every step
     assert mode_entries[0] == 1
     assert int(model[0][1].num_batches_tracked) == 4 + 1  # the lazy-init call counted once
@@ -178,12 +184,7 @@ def test_later_calls_install_no_hook_on_every_submodule(monkeypatch):
         return register(hook)
 
     monkeypatch.setattr(nn.modules.module, "register_module_forward_pre_hook", counting)
-    torch.manual_seed(0)
-    ref = nn.Sequential(_bn_block(), nn.Flatten(), nn.LazyLinear(3))
-    x = torch.randn(4, 3, 8, 8)
-    ref(x)
-    model = twin(ref)
-    remat.wrap(model[0])
+    ref, model, x = _wrapped_bn_model()
     _steps_match(ref, model, x, 3)
     assert installs[0] == 1
     assert int(model[0][1].num_batches_tracked) == 3 + 1
