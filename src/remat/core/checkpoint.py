@@ -35,7 +35,7 @@ from torch.utils.checkpoint import (
 from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, Stacked
-from remat.core._region import Learned, Region
+from remat.core._region import Region
 from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
 from remat.errors import RecomputeError, RematError
