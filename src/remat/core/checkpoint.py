@@ -153,6 +153,18 @@ def _learned_memo(fn: Callable, memo: weakref.WeakKeyDictionary = _LEARNED) -> t
     return (table or {}).get(key[1]), remember
 
 
+def forget_structure(module: nn.Module) -> None:
+    """Forget what "selective" learned about ``module``: its next selective call learns again, op-level."""
+    current = module.__dict__.get("forward")
+    inner = current.inner if isinstance(current, _CheckpointedForward) else current
+    key = _memo_key(inner) if inner is not None else None
+    for owner in (module, key[0] if key is not None else None):
+        try:
+            _STRUCTURES.pop(owner, None)
+        except TypeError:  # None, or not weakly referenceable: nothing remembered
+            pass
+
+
 # NOTE [Eager calls under torch.compile]
 # While dynamo traces, a call goes to torch's checkpoint operator instead
 # (NOTE [Under torch.compile] in remat.core._compiled). A call dynamo cannot trace

@@ -37,7 +37,8 @@ from remat.core._step import LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._profile_run import _assemble, _Policies, learn_structure, traced_step, young_collections
+from remat.profiling._profile_run import _assemble, _Policies, traced_step
+from remat.profiling._schedule import learn_structure, trace_schedule, young_collections
 from remat.profiling._shadow import ValueShadows
 from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
@@ -111,15 +112,16 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
     try:
         with _FakeWeights(model, mode), cache_disabled(model), _target_kernels(target, gpu_path), \
                 young_collections():
-            for policy in policies:
-                switch.set(policy)
+            for policy, run_as, learn in trace_schedule(policies):
+                switch.set(run_as)
                 with mode, shadows:
-                    learn_structure(model, fake_inputs, loss_fn, policy)
+                    if learn:
+                        learn_structure(model, fake_inputs, loss_fn)
                     traced[policy], io, _, ledgers[policy] = traced_step(
                         model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace
                     )
                 io_bytes = io_bytes or io
-            return traced, io_bytes, fake_inputs, ledgers
+            return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers
     finally:
         switch.restore()
 

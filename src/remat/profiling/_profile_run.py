@@ -6,10 +6,8 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
-import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -20,10 +18,11 @@ from remat.core._state import capture
 from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core._fine import FINE, inner_layers, wrap_fine
-from remat.core.checkpoint import POLICIES, wrap
+from remat.core.checkpoint import POLICIES, forget_structure, wrap
 from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, swap_excesses
+from remat.profiling._schedule import Phases, learn_structure, trace_schedule, young_collections
 from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
 
 Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list]]
@@ -31,54 +30,6 @@ Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list]]
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 log = logging.getLogger("remat")
-
-
-@contextmanager
-def young_collections() -> Iterator[None]:
-    """Collect garbage once, then let the collections before every traced step look only at what the
-    profile itself made.
-
-    NOTE [A garbage collection per traced step]
-    Each traced step starts with ``gc.collect()`` so that cyclic garbage of the previous step is gone
-    before counting (and a collection is less likely to fire inside the step). On a process that
-    imported ``transformers`` a full collection walks millions of objects: 0.25-0.3 s, as long as a
-    training step of a small GPT. Freezing the heap that existed before the profile (after one full
-    collection) makes the later ones walk only the objects made since: 0.2 ms. Left alone when the
-    caller froze objects of its own, which unfreezing would release.
-    """
-    gc.collect()
-    if gc.get_freeze_count() > 0:
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-class _Phases:
-    """Seconds and steps per phase of a profile, logged at INFO (``remat profile -v``)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.steps: dict[str, int] = defaultdict(int)
-
-    @contextmanager
-    def timing(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
-            self.steps[phase] += 1
-
-    def log(self, step_s: float) -> None:
-        total = time.perf_counter() - self.start
-        parts = ", ".join(f"{self.steps[p]} {p} steps {s:.2f} s" for p, s in self.seconds.items())
-        log.info("remat.profile: %s; %.2f s in all, %.1f training steps without checkpointing (%.3f s each)",
-                 parts, total, total / step_s if step_s > 0 else float("nan"), step_s)
 
 
 class _Policies:
@@ -89,6 +40,8 @@ class _Policies:
         self.blocks = [modules[n] for n in names]
         touched = self.blocks + [c for m in self.blocks for c in inner_layers(m)]  # full-fine wraps those too
         self.saved = [(m, m.__dict__.get("forward")) for m in touched]
+        for m in self.blocks:  # NOTE [selective-ops traces selective's learning] in remat.profiling._schedule
+            forget_structure(m)
 
     def set(self, policy: str) -> None:
         self.restore()
@@ -104,21 +57,6 @@ class _Policies:
                 m.__dict__.pop("forward", None)
             else:
                 m.__dict__["forward"] = forward
-
-
-def learn_structure(model: nn.Module, inputs: Any, loss_fn: LossFn | None, policy: str) -> None:
-    """Run one untraced step under ``policy`` when it is "selective".
-
-    A block's first selective call learns its cheap submodules op-level and later calls take the fast path
-    (NOTE [Selective by module] in remat.core._by_module): the traced step must be a later call, as every
-    step of the applied plan is, or the profile would predict the op-level policy's memory. A forward would
-    be enough to learn, but a whole step leaves the model as steps do (FSDP keeps the root's parameters
-    unsharded after a forward alone, and the snapshot holds sharded ones); the caller restores what it
-    changed (parameters, gradients, buffers, RNG).
-    """
-    if policy == "selective":
-        training_step(model, inputs, loss_fn)
-        model.zero_grad(set_to_none=True)
 
 
 def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder) -> None:
@@ -256,7 +194,7 @@ def run_profile(
     state = capture(model)
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
-    phases = _Phases()
+    phases = Phases()
     with cache_disabled(model), young_collections():
         try:
             if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
@@ -266,17 +204,18 @@ def run_profile(
             io_bytes: dict[str, tuple[int, int]] = {}
             resting: dict[str, int] = {}
             crossings: dict[str, Ledger] = {}
-            for policy in policies:
-                switch.set(policy)
-                if policy == "selective":
+            for policy, run_as, learn in trace_schedule(policies):
+                switch.set(run_as)
+                if learn:
                     with phases.timing("learning"):
-                        learn_structure(model, inputs, loss_fn, policy)
+                        learn_structure(model, inputs, loss_fn)
                     state.restore()
                 with phases.timing("traced"):
                     traced[policy], io, resting[policy], crossings[policy] = traced_step(model, inputs, loss_fn,
                                                                                          names)
                 io_bytes = io_bytes or io
                 state.restore()
+            traced = {p: traced[p] for p in policies}
             _check_same_structure(traced)
             seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
             recompute: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}

@@ -1,0 +1,103 @@
+"""Which steps a profile runs, in what order, and what each phase costs (``remat profile -v``)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from remat.core._step import LossFn, training_step
+
+log = logging.getLogger("remat")
+
+
+@contextmanager
+def young_collections() -> Iterator[None]:
+    """Collect garbage once, then let the collections before every traced step look only at what the
+    profile itself made.
+
+    NOTE [A garbage collection per traced step]
+    Each traced step starts with ``gc.collect()`` so that cyclic garbage of the previous step is gone
+    before counting (and a collection is less likely to fire inside the step). On a process that
+    imported ``transformers`` a full collection walks millions of objects: 0.25-0.3 s, as long as a
+    training step of a small GPT. Freezing the heap that existed before the profile (after one full
+    collection) makes the later ones walk only the objects made since: 0.2 ms. Left alone when the
+    caller froze objects of its own, which unfreezing would release.
+    """
+    gc.collect()
+    if gc.get_freeze_count() > 0:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+class Phases:
+    """Seconds and steps per phase of a profile, logged at INFO (``remat profile -v``)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+            self.steps[phase] += 1
+
+    def log(self, step_s: float) -> None:
+        total = time.perf_counter() - self.start
+        parts = ", ".join(f"{self.steps[p]} {p} steps {s:.2f} s" for p, s in self.seconds.items())
+        log.info("remat.profile: %s; %.2f s in all, %.1f training steps without checkpointing (%.3f s each)",
+                 parts, total, total / step_s if step_s > 0 else float("nan"), step_s)
+
+
+# NOTE [selective-ops traces selective's learning]
+# A block's first "selective" call runs op-level, as every "selective-ops" call does (the same policy
+# function, so the same ops saved and the same recomputation; the structure recorder beside it holds no
+# tensor), and learns the block's cheap submodules on the side (NOTE [Selective by module] in
+# remat.core._by_module). Later calls take the fast path, and the traced step of "selective" must be one
+# of those, as every step of an applied plan is. When both policies are profiled, selective-ops' traced
+# step runs the blocks under "selective" on their first call: it measures selective-ops and learns, and
+# selective's traced step needs no learning step before it: one training step less per profile. What the
+# blocks learned earlier (another profile, training) is forgotten first, so that first call is op-level.
+def trace_schedule(policies: Sequence[str]) -> list[tuple[str, str, bool]]:
+    """Per traced step, in order: (the policy it profiles, the policy its blocks run, whether one untraced
+    step learns selective's structure before it)."""
+    both = "selective" in policies and "selective-ops" in policies
+    out = []
+    for policy in policies:
+        if both and policy == "selective-ops":
+            continue
+        if both and policy == "selective":
+            out += [("selective-ops", "selective", False), ("selective", "selective", False)]
+        else:
+            out.append((policy, policy, policy == "selective"))
+    return out
+
+
+def learn_structure(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> None:
+    """Run one untraced step, so that the "selective" blocks' next call is their fast path.
+
+    A block's first selective call learns its cheap submodules op-level and later calls take the fast path
+    (NOTE [Selective by module] in remat.core._by_module): the traced step must be a later call, as every
+    step of the applied plan is, or the profile would predict the op-level policy's memory. A forward would
+    be enough to learn, but a whole step leaves the model as steps do (FSDP keeps the root's parameters
+    unsharded after a forward alone, and the snapshot holds sharded ones); the caller restores what it
+    changed (parameters, gradients, buffers, RNG).
+    """
+    training_step(model, inputs, loss_fn)
+    model.zero_grad(set_to_none=True)
