@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning._nested import nested_floor
+from remat.planning._nested import MAX_BLOCKS
+from remat.planning._nested_plan import nested_floor
 
 
 def conv_chain(channels: int = 64, blocks: int = 8) -> nn.Sequential:
@@ -91,7 +92,7 @@ def main() -> None:
     one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     all_full = prof.predict_peak({b.name: "full" for b in prof.blocks})
     lowest = remat.plan(prof, strategy="none").min_peak_bytes  # the nested floor where nesting applies
-    nested = "nested floor" if nested_floor(prof) is not None else "no nested view (not a chain of <= 24 blocks)"
+    nested = "nested floor" if nested_floor(prof) is not None else f"no nested view (not a chain of <= {MAX_BLOCKS} blocks)"
     fine = prof.predict_peak({b.name: "full-fine" for b in prof.blocks}) if args.fine else None
     fine_text = "" if fine is None else f"every block full-fine {fine / base:.3f}; "
     print(f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks; profiled in {profiled:.1f} s "

@@ -24,11 +24,13 @@ within what is left after the gradients the rest leaves). Sizes are rounded up a
 frees down to a grid of 1/``GRID`` of the baseline peak, so an accepted plan never
 exceeds its budget in the model; the exact walk (``simulate``) gives the prediction.
 Each ``best(s, e)`` takes all its first items at once (arrays over the policies and over the split k,
-times the GRID budgets): O(n^2) numpy steps, O(n^3 GRID) work. On a synthetic chain (2-core CPU, shared)
-one solve takes 0.10 s for 24 blocks and 0.7-0.8 s for 48; the floor takes 10 solves (6.6-6.8 s for 48
-blocks, where the gathers over n x GRID arrays, not Python, take the time), once per profile
-(``Plan.min_peak_bytes`` is the floor): so nested plans are made for chains of at most ``MAX_BLOCKS``
-blocks, and by ``remat.plan`` only below the one-level floor.
+times the GRID budgets): O(n^2) numpy steps, O(n^3 GRID) work. A plan reads its budget and the budgets
+around it from one table (``remat.planning._nested_plan``), and the floor needs no table search (NOTE
+[The floor without a grid] there). On a synthetic chain (2-core CPU, 2026-11-23) the floor and one plan
+take 0.16 + 0.04 s for 24 blocks, 0.7 + 0.3 s for 48, 1.2 + 0.7 s for 64, 4.9 + 3.3 s for 128 (before:
+0.36 + 0.45, 1.6 + 1.5, 3.5 + 5.9 s, 128 not tried): nested plans are made for chains of at most
+``MAX_BLOCKS`` blocks (the tables then hold about 170 MB), and by ``remat.plan`` only below the
+one-level floor.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
 
 GRID = 256
-MAX_BLOCKS = 24
-_SCALES = (0.97, 0.985, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2)
+MAX_BLOCKS = 128
+
 
 
 @dataclass(frozen=True)
@@ -233,16 +235,24 @@ class _Tables:
         return (Node(s, end=k, children=children), *self.plan(k, e, top, min(m - kept, len(self.m) - 1)))
 
 
-def _tables_at(c: Costs, budget: int) -> tuple[_Tables, int] | None:
-    """The DP's tables for ``budget`` and the budget's cell, or None where not even the glue fits."""
-    unit = max(1, -(-int(max(budget, 1)) // GRID))
+def _tables_at(c: Costs, budget: int, finest: int | None = None) -> tuple[_Tables, int] | None:
+    """The DP's tables up to ``budget`` and the budget's cell, or None where not even the glue fits. The grid
+    is 1/GRID of ``finest`` (default ``budget``): one table answers every budget from ``finest`` up, each
+    with at least that resolution (``cell``)."""
+    unit = max(1, -(-int(max(finest if finest is not None else budget, 1)) // GRID))
     head = int(math.floor((budget - c.chain.start) / unit))
     if c.chain.pre_peak > budget or head < 0:
         return None
     return _Tables(c, unit, head), head
 
 
-def _best(tables: _Tables, head: int) -> tuple[tuple[Node, ...], float] | None:
+def cell(tables: _Tables, c: Costs, budget: int) -> int | None:
+    """The cell of ``budget`` in ``tables`` (None where the glue does not fit)."""
+    head = int(math.floor((budget - c.chain.start) / tables.unit))
+    return None if c.chain.pre_peak > budget or head < 0 else min(head, len(tables.m) - 1)
+
+
+def best_at(tables: _Tables, head: int) -> tuple[tuple[Node, ...], float] | None:
     n = len(tables.c.chain.blocks)
     cost = float(tables.cost[True][0, n, head])
     return None if not math.isfinite(cost) else (tables.plan(0, n, True, head), cost)
@@ -251,30 +261,7 @@ def _best(tables: _Tables, head: int) -> tuple[tuple[Node, ...], float] | None:
 def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None:
     """The nested plan of least extra time whose peak fits ``budget`` (NOTE [The nested DP]); None if none."""
     built = _tables_at(c, budget)
-    return None if built is None else _best(*built)
-
-
-def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]] | None:
-    """The lowest budget in [low, high] (to 0.1%) at which ``solve_nested`` finds a plan, and the plan."""
-    built = _tables_at(c, high)
-    found = None if built is None else _best(*built)
-    if found is None:
-        return None
-    best = (simulate(c, found[0]), found[0])
-    # The table at ``high`` bounds the floor to a cell per block (rounding) above its first feasible cell.
-    unit = built[0].unit
-    first = int(np.flatnonzero(np.isfinite(built[0].cost[True][0, len(c.chain.blocks)]))[0])
-    high = min(high, c.chain.start + (first + 1) * unit)
-    low = max(low, c.chain.start + (first - 2 * len(c.chain.blocks)) * unit)
-    while high - low > max(1, high // 1000):
-        mid = (low + high) // 2
-        found = solve_nested(c, mid)
-        if found is None:
-            low = mid
-        else:
-            high = mid
-            best = min(best, (simulate(c, found[0]), found[0]), key=lambda t: t[0])
-    return best
+    return None if built is None else best_at(*built)
 
 
 def costs_of(profile: Profile) -> Costs | None:
@@ -313,47 +300,3 @@ def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tu
 
     visit(nodes)
     return assignment, tuple(segments)
-
-
-def _peak(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> int:
-    """The predicted peak of ``nodes``: the walk of NOTE [The nested peak model], or for a plan without segments
-    (one policy per block, ``full-fine`` among them) the profile's own peak model, which also moves storages that
-    cross blocks (Llama's rotary tables: the walk is 256 bytes under there)."""
-    if any(node.end is not None for node in nodes):
-        return simulate(c, nodes)
-    return profile.predict_peak(to_plan(c, nodes)[0])
-
-
-def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
-    """The lowest predicted peak of a nested plan (cached on the profile), or None without a nested view."""
-    cached = profile.__dict__.get("_remat_nested_floor", False)
-    if cached is False:
-        c = costs_of(profile)
-        cached = None if c is None else lowest_nested(c, c.chain.pre_peak, profile.baseline_peak_bytes)
-        if cached is not None:
-            cached = (_peak(profile, c, cached[1]), cached[1])
-        profile.__dict__["_remat_nested_floor"] = cached
-    return cached
-
-
-def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
-    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``."""
-    c = costs_of(profile)
-    if c is None:
-        return None
-    # The DP's view differs from the walk where a block's input is freed by another block than in its own run
-    # (NOTE [The nested DP]), either way: solve over a range of DP budgets around the limit and keep the
-    # fastest plan whose walk fits (the floor's plan fits wherever the floor does).
-    fits = []
-    for scale in _SCALES:
-        trial = solve_nested(c, int(limit * scale))
-        if trial is not None and _peak(profile, c, trial[0]) <= limit:
-            fits.append((trial[1], trial[0]))
-    floor = nested_floor(profile)
-    if floor is not None and floor[0] <= limit:
-        fits.append((extra_time(c, floor[1]), floor[1]))
-    if not fits:
-        return None
-    found = min(fits, key=lambda t: t[0])[::-1]
-    assignment, segments = to_plan(c, found[0])
-    return assignment, segments, _peak(profile, c, found[0]), extra_time(c, found[0])

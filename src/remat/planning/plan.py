@@ -11,7 +11,7 @@ from typing import Any
 
 from remat.errors import RematError
 from remat.planning._plan_checks import check_plan_fields
-from remat.planning._nested import nested_floor, plan_nested
+from remat.planning._nested_plan import nested_floor, plan_nested
 from remat.planning._solve import cast_credits, chain_of, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile

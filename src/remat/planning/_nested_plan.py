@@ -1,0 +1,167 @@
+"""Nested plans for a profile: the floor, and the fastest plan within a budget (issue #19).
+
+NOTE [The floor without a grid]
+The least peak of any nested plan is the least budget at which the DP of NOTE [The
+nested DP] (``remat.planning._nested``) finds one. A search over budgets, one table
+each, took 10 tables (6.6 s for 48 blocks). The same recursion with the budget as
+the unknown needs no grid: ``need(s, e)``, the fewest bytes above the live bytes at s
+that blocks s..e-1 and their tail need, is the least over first items of the most of
+what that item asks (its peaks, its backward after the rest's gradients) and what
+the rest needs shifted by what the item keeps. That is O(n^2) numpy steps over the
+splits, exact in bytes (no rounding), and ties go to the faster item. The
+time-optimal plan at that peak is then one table's answer (where rounding lets it
+fit; else the least-need plan stands).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from remat.planning._nested import (
+    GRID, Costs, Node, _tables_at, best_at, cell, costs_of, extra_time, simulate, to_plan,
+)
+from remat.profiling._types import Profile
+
+_FINE_CELLS = 2_500_000
+_SCALES = (0.97, 0.985, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2)
+
+
+class _Needs:
+    """``need[top][s, e]`` and its choice (a policy j < P, or P + k for a segment [s, k); -1 at a tail)."""
+
+    def __init__(self, c: Costs) -> None:
+        ch, f = c.chain, c.full
+        self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
+        n = len(ch.blocks)
+        fd, fp = np.asarray(ch.fwd_delta, np.int64), np.asarray(ch.fwd_peak, np.int64)
+        self.FD, self.FP, self.BP = fd, fp, np.asarray(ch.bwd_peak, np.int64)
+        self.BD = np.asarray(ch.bwd_delta, np.int64)
+        self.csum = np.concatenate([[0], np.cumsum((fd + self.BD).max(axis=1))])
+        self.post = (int(np.max(ch.post_peak)), int(np.max(ch.post_delta)))
+        self.kept = np.zeros((n + 1, n + 1), np.int64)
+        self.peak = np.zeros((n + 1, n + 1), np.int64)
+        self.refwd = np.zeros((n + 1, n + 1))
+        for s in range(n):
+            live = top = 0
+            for k in range(s, n):
+                top = max(top, live + int(fp[k, f]))
+                live += int(fd[k, f]) - (int(c.out[k - 1]) if k > s else 0)
+                self.kept[s, k + 1], self.peak[s, k + 1] = live, top
+                self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
+        self.need = {t: np.zeros((n + 1, n + 1), np.int64) for t in (False, True)}
+        self.time = {t: np.zeros((n + 1, n + 1)) for t in (False, True)}
+        self.pick = {t: np.full((n + 1, n + 1), -1) for t in (False, True)}
+        for length in range(1, n + 1):
+            for s in range(n - length + 1):
+                self._fill(s, s + length, False)
+        for s in range(n, -1, -1):
+            self._fill(s, n, True)
+
+    def _tail(self, e: int, top: bool) -> tuple[int, int, float]:
+        if top:
+            return (*self.post, 0.0)
+        return int(self.BP[e - 1, self.f]), int(self.BD[e - 1, self.f]), float(self.c.chain.extra_s[e - 1, self.f])
+
+    def _fill(self, s: int, e: int, top: bool) -> None:
+        tail_peak, tail_delta, tail_time = self._tail(e, top)
+        stop = e if top else e - 1
+        if s == stop:
+            self.need[top][s, e], self.time[top][s, e] = max(0, tail_peak), tail_time
+            return
+        after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
+        rest, rest_t = self.need[top][s + 1, e], self.time[top][s + 1, e]
+        needs = [np.maximum.reduce([self.FP[s], self.FD[s] + after + self.BP[s], self.FD[s] + rest])]
+        times = [self.c.chain.extra_s[s] + rest_t]
+        ks = np.arange(s + 2, stop + 1)
+        if len(ks):
+            kept = self.kept[s, ks]
+            below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta
+            needs.append(np.maximum.reduce([self.peak[s, ks], kept + self.need[top][ks, e],
+                                            below + self.need[False][s, ks]]))
+            times.append(self.refwd[s, ks] + self.time[top][ks, e] + self.time[False][s, ks])
+        need, time = np.maximum(np.concatenate(needs), 0), np.concatenate(times)
+        first = int(np.lexsort((time, need))[0])  # least need, then least time
+        self.need[top][s, e], self.time[top][s, e] = need[first], time[first]
+        self.pick[top][s, e] = first if first < self.P else self.P + int(ks[first - self.P])
+
+    def plan(self, s: int, e: int, top: bool) -> tuple[Node, ...]:
+        code = int(self.pick[top][s, e])
+        if code < 0:
+            return ()
+        if code < self.P:
+            return (Node(s, code), *self.plan(s + 1, e, top))
+        k = code - self.P
+        return (Node(s, end=k, children=self.plan(s, k, False)), *self.plan(k, e, top))
+
+
+def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]] | None:
+    """The lowest peak of a nested plan (NOTE [The floor without a grid]) and the plan, or None above ``high``.
+
+    ``low`` is a lower bound the caller knows (unused: the recursion is exact)."""
+    needs = _Needs(c)
+    n = len(c.chain.blocks)
+    if max(c.chain.pre_peak, c.chain.start + int(needs.need[True][0, n])) > high:
+        return None
+    nodes = needs.plan(0, n, True)
+    best = (simulate(c, nodes), extra_time(c, nodes), nodes)
+    # The least-need choices are not the fastest plan at that peak where an item's own peak leaves the rest
+    # room to spare. The time table finds that plan a few grid cells (its rounding: at most one per block and
+    # level) above the floor: read one table at every cell up to 2n above and keep what walks within it. A
+    # finer grid finds it more often (synthetic 5-block chains: 12 of 12 at 4x, 11 at 1x); up to 4x as long as
+    # the table stays within _FINE_CELLS.
+    fine = max(1, min(4, _FINE_CELLS // ((n + 1) ** 2 * GRID)))
+    unit = max(1, -(-best[0] // (fine * GRID)))
+    built = _tables_at(c, best[0] + 2 * n * unit, finest=best[0] // fine)
+    first = cell(built[0], c, best[0]) if built is not None else None
+    for head in range(first, built[1] + 1) if first is not None else ():
+        found = best_at(built[0], head)
+        if found is not None and found[1] < best[1] and simulate(c, found[0]) <= best[0]:
+            best = (best[0], found[1], found[0])
+    return best[0], best[2]
+
+
+def _peak(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> int:
+    """The predicted peak of ``nodes``: the walk of NOTE [The nested peak model], or for a plan without segments
+    (one policy per block, ``full-fine`` among them) the profile's own peak model, which also moves storages that
+    cross blocks (Llama's rotary tables: the walk is 256 bytes under there)."""
+    if any(node.end is not None for node in nodes):
+        return simulate(c, nodes)
+    return profile.predict_peak(to_plan(c, nodes)[0])
+
+
+def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
+    """The lowest predicted peak of a nested plan (cached on the profile), or None without a nested view."""
+    cached = profile.__dict__.get("_remat_nested_floor", False)
+    if cached is False:
+        c = costs_of(profile)
+        cached = None if c is None else lowest_nested(c, c.chain.pre_peak, profile.baseline_peak_bytes)
+        if cached is not None:
+            cached = (_peak(profile, c, cached[1]), cached[1])
+        profile.__dict__["_remat_nested_floor"] = cached
+    return cached
+
+
+def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
+    """(assignment, segments, predicted peak, extra seconds) of the fastest nested plan within ``limit``."""
+    c = costs_of(profile)
+    if c is None:
+        return None
+    # The DP's view differs from the walk where a block's input is freed by another block than in its own run
+    # (NOTE [The nested DP]), either way: read the fastest plan at a range of DP budgets around the limit from
+    # one table (its grid as fine as the lowest budget's own) and keep the fastest whose walk fits (the floor's
+    # plan fits wherever the floor does).
+    fits = []
+    built = _tables_at(c, int(limit * max(_SCALES)), finest=int(limit * min(_SCALES)))
+    for scale in _SCALES if built is not None else ():
+        head = cell(built[0], c, int(limit * scale))
+        trial = best_at(built[0], head) if head is not None else None
+        if trial is not None and _peak(profile, c, trial[0]) <= limit:
+            fits.append((trial[1], trial[0]))
+    floor = nested_floor(profile)
+    if floor is not None and floor[0] <= limit:
+        fits.append((extra_time(c, floor[1]), floor[1]))
+    if not fits:
+        return None
+    found = min(fits, key=lambda t: t[0])[::-1]
+    assignment, segments = to_plan(c, found[0])
+    return assignment, segments, _peak(profile, c, found[0]), extra_time(c, found[0])
