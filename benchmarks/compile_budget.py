@@ -38,6 +38,7 @@ from remat import zoo
 from remat.bench._rounds import interleaved_rounds, ratio_to
 from remat.core._step import training_step
 from remat.core.measure import measure_peak
+from remat.planning.apply import _compiled_profile
 from remat.profiling._format import human_bytes
 
 SIZES = {
@@ -101,13 +102,20 @@ def _own_backend(name: str) -> Any:
 
 
 def _policies(plan: remat.Plan) -> str:
-    short = {"keep": "k", "selective": "s", "full": "f"}
+    short = {"keep": "k", "selective": "s", "selective-ops": "o", "full": "f"}
     return "".join(short[p] for p in plan.assignment.values())
 
 
-def remat_sweep(built: zoo.ZooModel, backend: str, points: int) -> list[Setup]:
-    """remat plans at ``points`` budgets from the one-level floor to 1, distinct assignments, compiled."""
+def remat_sweep(built: zoo.ZooModel, backend: str, points: int, planner: str) -> list[Setup]:
+    """remat plans at ``points`` budgets from the one-level floor to 1, distinct assignments, compiled.
+
+    ``planner="compiled"``: planned with the chain fitted to compiled peaks, as ``remat.auto(compiled=backend)``
+    plans (NOTE [Plans for compiled execution]; budgets are fractions of the compiled peak without
+    checkpointing); ``"eager"``: planned with the eager profile (budgets: fractions of the eager peak)."""
     prof = remat.profile(built.model, built.inputs, built.loss_fn)
+    if planner == "compiled":
+        prof, _, _ = _compiled_profile(built.model, built.inputs, built.loss_fn, prof, backend)
+        remat.remove(built.model)
     floor = remat.plan(prof, strategy="none", nested=False).min_peak_bytes / prof.baseline_peak_bytes
     fractions = [floor + (1 - floor) * i / (points - 1) for i in range(points)]
     setups, seen = [], set()
@@ -134,12 +142,12 @@ def _gaps(setup: Setup, ref_loss: torch.Tensor, ref_grads: list[torch.Tensor]) -
     return f"loss {float((loss - ref_loss).abs()):.1e}, grad {gap:.1e}"
 
 
-def model_table(name: str, budgets: list[float], backend: str, points: int, rounds: int) -> list[str]:
+def model_table(name: str, budgets: list[float], backend: str, points: int, rounds: int, planner: str) -> list[str]:
     built = zoo.build(name, **SIZES[name])
     torch._dynamo.reset()
     compiled = [Setup(f"compile {b:g}", built, backend, budget=b) for b in budgets]
     ref = compiled[0]
-    sweep = remat_sweep(built, backend, points)
+    sweep = remat_sweep(built, backend, points, planner)
     pairs = [(c, match(c, sweep)) for c in compiled]
     timed = [*compiled, *sweep]  # every setup, so that dominance can be checked against every remat point
     times = dict(zip(map(id, timed), interleaved_rounds([s.timed for s in timed], warmup=2, repeat=rounds),
@@ -175,16 +183,19 @@ def main() -> None:
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--sweep", type=int, default=10, help="remat budgets between the plan floor and 1")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--planner", choices=("compiled", "eager"), default="compiled",
+                        help="plan remat's sweep for compiled peaks (as remat.auto(compiled=...)) or eager ones")
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     budgets = [1.0, *(b for b in budgets if b != 1.0)]  # the reference first
     # Every setup is its own model copy: more compiled versions of one forward than dynamo's default 8.
     torch._dynamo.config.recompile_limit = 256
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, {args.backend}, CPU allocator peaks\n", flush=True)
+          f"{torch.get_num_threads()} threads, {args.backend}, CPU allocator peaks, remat planned for "
+          f"{args.planner} peaks\n", flush=True)
     for name in args.models.split(","):
         start = time.perf_counter()
-        print("\n".join(model_table(name, budgets, args.backend, args.sweep, args.rounds)), flush=True)
+        print("\n".join(model_table(name, budgets, args.backend, args.sweep, args.rounds, args.planner)), flush=True)
         print(f"({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
 
 

@@ -5,7 +5,7 @@ error, the number of nested segments, and the step-time ratio against no checkpo
 (median of interleaved rounds, with the min-max range). Budgets run from 1.0 down to the
 nested floor, with the one-level floor and the every-block-full point among them. Run:
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9] [--at 58.7]
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vit --set layers=6 --set batch=2
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2 --fine   # also policy full-fine
@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--fine", action="store_true", help="also profile and plan with policy full-fine")
     ap.add_argument("--set", type=_option, action="append", default=[], help="a zoo option, e.g. layers=4")
+    ap.add_argument("--at", type=float, action="append", default=[],
+                    help="also a budget in MiB (e.g. 58.7: rotor's point on the conv chain in issue #19)")
     args = ap.parse_args()
     title, model, inputs, loss_fn = _setup(args.model, dict(args.set))
     start = time.perf_counter()
@@ -103,7 +105,7 @@ def main() -> None:
     for policy in ("full", "full-fine")[:1 + args.fine]:
         print(_where(prof, policy))
     marks = {1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, all_full / base, one_level / base, (lowest + 1) / base,
-             *(() if fine is None else (fine / base,))}
+             *(() if fine is None else (fine / base,)), *(mib * 2**20 / base for mib in args.at)}
     fractions = sorted((f for f in marks if f * base >= lowest), reverse=True)
     rows = []
     for f in fractions:

@@ -36,7 +36,9 @@ one-level floor.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -156,20 +158,19 @@ def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
     return out
 
 
-class _Tables:
-    """``best(s, e, top)`` as arrays over every budget m = 0..H grid units (NOTE [The nested DP]), built by
-    increasing length with numpy over m and over the first segment's end k, with the choice per m for
-    rebuilding the plan (codes: a policy j < P, or P + k)."""
+class _Recursion:
+    """What the time DP (``_Tables``) and the floor's recursion (``remat.planning._nested_plan``) share: the
+    chain's numbers with sizes made by ``up`` and frees by ``down`` (grid units, rounded safe, or bytes), the
+    runs of blocks that save nothing, each cell's tail, and the order cells (s, e, top) are filled in (every
+    cell after those it reads); the subclass fills a cell (``_fill``)."""
 
-    def __init__(self, c: Costs, unit: int, head: int) -> None:
+    def __init__(self, c: Costs, up: Callable[[Any], np.ndarray], down: Callable[[Any], np.ndarray]) -> None:
         ch, f = c.chain, c.full
-        up = lambda a: -(-np.asarray(a, dtype=np.int64) // unit)  # noqa: E731
-        self.c, self.f, self.P, self.unit = c, f, ch.fwd_delta.shape[1], unit
+        self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
-        out = np.asarray(c.out, dtype=np.int64) // unit
+        out = down(c.out)
         self.csum = np.concatenate([[0], np.cumsum(up((ch.fwd_delta + ch.bwd_delta).max(axis=1)))])
         self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
-        self.m = np.arange(head + 1)
         n = len(ch.blocks)
         # kept[s, e], peak[s, e]: live bytes left and most reached by blocks s..e-1 run saving nothing;
         # refwd[s, e]: their forward time but the last block's (a segment's recomputation before its tail).
@@ -182,18 +183,37 @@ class _Tables:
                 live += int(self.FD[k, f]) - (int(out[k - 1]) if k > s else 0)
                 self.kept[s, k + 1], self.peak[s, k + 1] = live, top
                 self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
-        self.cost = {top: np.full((n + 1, n + 1, len(self.m)), np.inf) for top in (False, True)}
-        self.pick = {top: np.full((n + 1, n + 1, len(self.m)), -1) for top in (False, True)}
+
+    def _fill_all(self) -> None:
+        n = len(self.c.chain.blocks)
         for length in range(1, n + 1):
             for s in range(n - length + 1):
                 self._fill(s, s + length, False)
         for s in range(n, -1, -1):
             self._fill(s, n, True)
 
+    def _fill(self, s: int, e: int, top: bool) -> None:
+        raise NotImplementedError
+
     def _tail(self, e: int, top: bool) -> tuple[int, int, float]:
         if top:
             return (*self.post, 0.0)
         return int(self.BP[e - 1, self.f]), int(self.BD[e - 1, self.f]), float(self.c.chain.extra_s[e - 1, self.f])
+
+
+class _Tables(_Recursion):
+    """``best(s, e, top)`` as arrays over every budget m = 0..H grid units (NOTE [The nested DP]), built by
+    increasing length with numpy over m and over the first segment's end k, with the choice per m for
+    rebuilding the plan (codes: a policy j < P, or P + k)."""
+
+    def __init__(self, c: Costs, unit: int, head: int) -> None:
+        super().__init__(c, lambda a: -(-np.asarray(a, dtype=np.int64) // unit),
+                         lambda a: np.asarray(a, dtype=np.int64) // unit)
+        self.unit, self.m = unit, np.arange(head + 1)
+        n = len(c.chain.blocks)
+        self.cost = {top: np.full((n + 1, n + 1, len(self.m)), np.inf) for top in (False, True)}
+        self.pick = {top: np.full((n + 1, n + 1, len(self.m)), -1) for top in (False, True)}
+        self._fill_all()
 
     def _fill(self, s: int, e: int, top: bool) -> None:
         ch, m, P = self.c.chain, self.m, self.P

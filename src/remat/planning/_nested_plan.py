@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from remat.planning._nested import (
-    GRID, Costs, Node, _tables_at, best_at, cell, costs_of, extra_time, simulate, to_plan,
+    GRID, Costs, Node, _Recursion, _tables_at, best_at, cell, costs_of, extra_time, simulate, to_plan,
 )
 from remat.profiling._types import Profile
 
@@ -26,41 +26,17 @@ _FINE_CELLS = 2_500_000
 _SCALES = (0.97, 0.985, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2)
 
 
-class _Needs:
+class _Needs(_Recursion):
     """``need[top][s, e]`` and its choice (a policy j < P, or P + k for a segment [s, k); -1 at a tail)."""
 
     def __init__(self, c: Costs) -> None:
-        ch, f = c.chain, c.full
-        self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
-        n = len(ch.blocks)
-        fd, fp = np.asarray(ch.fwd_delta, np.int64), np.asarray(ch.fwd_peak, np.int64)
-        self.FD, self.FP, self.BP = fd, fp, np.asarray(ch.bwd_peak, np.int64)
-        self.BD = np.asarray(ch.bwd_delta, np.int64)
-        self.csum = np.concatenate([[0], np.cumsum((fd + self.BD).max(axis=1))])
-        self.post = (int(np.max(ch.post_peak)), int(np.max(ch.post_delta)))
-        self.kept = np.zeros((n + 1, n + 1), np.int64)
-        self.peak = np.zeros((n + 1, n + 1), np.int64)
-        self.refwd = np.zeros((n + 1, n + 1))
-        for s in range(n):
-            live = top = 0
-            for k in range(s, n):
-                top = max(top, live + int(fp[k, f]))
-                live += int(fd[k, f]) - (int(c.out[k - 1]) if k > s else 0)
-                self.kept[s, k + 1], self.peak[s, k + 1] = live, top
-                self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
+        exact = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+        super().__init__(c, exact, exact)
+        n = len(c.chain.blocks)
         self.need = {t: np.zeros((n + 1, n + 1), np.int64) for t in (False, True)}
         self.time = {t: np.zeros((n + 1, n + 1)) for t in (False, True)}
         self.pick = {t: np.full((n + 1, n + 1), -1) for t in (False, True)}
-        for length in range(1, n + 1):
-            for s in range(n - length + 1):
-                self._fill(s, s + length, False)
-        for s in range(n, -1, -1):
-            self._fill(s, n, True)
-
-    def _tail(self, e: int, top: bool) -> tuple[int, int, float]:
-        if top:
-            return (*self.post, 0.0)
-        return int(self.BP[e - 1, self.f]), int(self.BD[e - 1, self.f]), float(self.c.chain.extra_s[e - 1, self.f])
+        self._fill_all()
 
     def _fill(self, s: int, e: int, top: bool) -> None:
         tail_peak, tail_delta, tail_time = self._tail(e, top)
