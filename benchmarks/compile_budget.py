@@ -28,6 +28,8 @@ import argparse
 import contextlib
 import copy
 import platform
+import random
+import statistics
 import time
 from typing import Any
 
@@ -142,6 +144,16 @@ def _gaps(setup: Setup, ref_loss: torch.Tensor, ref_grads: list[torch.Tensor]) -
     return f"loss {float((loss - ref_loss).abs()):.1e}, grad {gap:.1e}"
 
 
+def _slower(a: list[float], b: list[float], ref: list[float]) -> str:
+    """How much slower ``a`` is than ``b``: the median over rounds of their difference in units of the reference's
+    step in the same round, with its 90% bootstrap interval ("beyond noise" when the interval excludes 0)."""
+    diffs = [(x - y) / r for x, y, r in zip(a, b, ref, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+    lo, hi = medians[100], medians[1899]
+    return f"+{statistics.median(diffs):.2f} [{lo:+.2f}, {hi:+.2f}]{', beyond noise' if lo > 0 else ''}"
+
+
 def model_table(name: str, budgets: list[float], backend: str, points: int, rounds: int, planner: str) -> list[str]:
     built = zoo.build(name, **SIZES[name])
     torch._dynamo.reset()
@@ -165,13 +177,15 @@ def model_table(name: str, budgets: list[float], backend: str, points: int, roun
             f"{_gaps(r, ref_loss, ref_grads)} |"
         out.append(left + right)
     monotone = all(a.peak <= b.peak for a, b in zip(sweep, sweep[1:], strict=False))
-    dominated = [(c.label, r.label) for c in compiled[1:] for r in sweep
-                 if c.peak < r.peak and ratio[id(c)] < ratio[id(r)]]
+    dominated = [f"{c.label} over {r.label} (time {_slower(times[id(r)], times[id(c)], times[id(ref)])})"
+                 for c in compiled[1:] for r in sweep if c.peak < r.peak and ratio[id(c)] < ratio[id(r)]]
+    beyond = sum("beyond noise" in d for d in dominated)
     out += ["", f"Reference (compiled, no checkpointing): {human_bytes(ref.peak)}. remat sweep, from the floor up "
             "(compiled peak of the reference, time): " + ", ".join(
                 f"{s.label} {s.peak / ref.peak:.3f} {ratio[id(s)]:.2f}x" for s in sweep)
             + f". remat's peaks monotone in the budget: {'yes' if monotone else 'NO'}. remat points dominated by "
-            f"a compile budget (lower peak and time): {dominated or 'none'}. Compiles: "
+            f"a compile budget (lower peak and time; {beyond} of {len(dominated)} beyond noise): "
+            f"{'; '.join(dominated) or 'none'}. Compiles: "
             + ", ".join(f"{s.compile_s:.0f}" for s in [*compiled, *sweep]) + " s.", ""]
     return out
 
