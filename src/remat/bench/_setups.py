@@ -17,7 +17,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import remat
-from remat.core.checkpoint import SAVE_OPS, _save_compute_intensive
+from remat.core._policies import SAVE_OPS, _save_compute_intensive
 from remat.planning.plan import Plan
 
 

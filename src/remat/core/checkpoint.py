@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
-    CheckpointPolicy,
     _StopRecomputationError as _StopRecomputation,
     checkpoint as _torch_checkpoint,
     create_selective_checkpoint_contexts,
@@ -36,6 +35,7 @@ from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_m
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, Stacked
 from remat.core._region import Region
+from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
 from remat.errors import RecomputeError, RematError
@@ -43,60 +43,6 @@ from remat.errors import RecomputeError, RematError
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: Policies a block can have: keep everything; selective (cheap submodules recomputed, NOTE in
-#: remat.core._by_module); selective-ops (op by op: leaner, a Python hook on every op); recompute everything.
-POLICIES = ("keep", "selective", "selective-ops", "full")
-
-_aten = torch.ops.aten
-#: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
-#: On CPU SDPA dispatches to the ``_for_cpu`` flash kernel (see measurements.md).
-SAVE_OPS = frozenset(
-    op
-    for op in (
-        _aten.mm.default,
-        _aten.addmm.default,
-        _aten.bmm.default,
-        _aten.baddbmm.default,
-        _aten.convolution.default,
-        _aten._scaled_dot_product_flash_attention_for_cpu.default,
-        _aten._scaled_dot_product_flash_attention.default,
-        _aten._scaled_dot_product_efficient_attention.default,
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
-    )
-    if op is not None
-)
-
-
-def _save_compute_intensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _save_listed(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _policy_function(policy: Any) -> Callable[..., Any] | None:
-    """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
-    if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
-        return None
-    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
-        return _save_compute_intensive
-    if isinstance(policy, (list, tuple, set, frozenset)):
-        odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
-        if odd:
-            raise RematError(
-                f"remat.checkpoint: a policy list holds aten op overloads to save, got {odd[0]!r} "
-                f"({type(odd[0]).__name__}); name an overload, e.g. torch.ops.aten.mm.default."
-            )
-        return functools.partial(_save_listed, frozenset(policy))
-    if callable(policy) and not isinstance(policy, str):
-        return policy
-    raise RematError(
-        f"remat.checkpoint: unknown policy {policy!r}; use 'full', 'selective', 'keep', a list of aten ops "
-        "to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
-    )
-
 
 def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_mutation: bool) -> tuple[Any, Any]:
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
@@ -218,7 +164,7 @@ def _run_checkpointed(
             recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
     learned, remember = _learned_memo(fn)
     region = Region(args, kwargs, learned, owner)
-    policy_fn = _policy_function(policy)
+    policy_fn = policy_function(policy)
     phase = {"forward": True}
 
     def context_fn() -> tuple[Any, Any]:
@@ -338,12 +284,12 @@ def checkpoint(
         policy, use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
         debug=debug, early_stop=early_stop,
     )
-    _policy_function(policy)  # validate before running anything
+    policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
         eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs, options)
-        return run_compiled(fn, _policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
+        return run_compiled(fn, compiled_policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
     quiet_torch_notice()
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs, options)
 

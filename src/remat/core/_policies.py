@@ -1,0 +1,90 @@
+"""Checkpoint policies as values: the names a block can have and the selective-checkpoint policy
+function each one runs, eager and under ``torch.compile``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from remat.core._rng import draws_random
+from remat.errors import RematError
+
+__all__ = ["POLICIES", "SAVE_OPS", "policy_function", "compiled_policy_function"]
+
+#: Policies a block can have: keep everything; selective (cheap submodules recomputed, NOTE in
+#: remat.core._by_module); selective-ops (op by op: leaner, a Python hook on every op); recompute everything.
+POLICIES = ("keep", "selective", "selective-ops", "full")
+
+_aten = torch.ops.aten
+#: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
+#: On CPU SDPA dispatches to the ``_for_cpu`` flash kernel (see measurements.md).
+SAVE_OPS = frozenset(
+    op
+    for op in (
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten.convolution.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
+    )
+    if op is not None
+)
+
+
+def _save_compute_intensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# NOTE [Random ops under compile's selective]
+# Eager "selective" keeps what a block's random submodules make (a dropout mask is cheaper to keep
+# than to recompute: NOTE [Selective by module]). Under compile "selective" is torch's op-level
+# selective checkpoint, which recomputed every random op from its own functionalized generator state:
+# correct, but drawing random numbers again is real work (CPU generators draw element by element).
+# It keeps them instead, as eager does. Measured on benchmarks/compile_budget.py's ViT (aot_eager, CPU,
+# every block selective): 1.20x at 0.729 of the compiled peak without checkpointing when recomputed,
+# 1.06x at 0.809 when kept (compile's own budget 0.8: 0.99x at 0.809). A kept random op is also off the
+# path of compiled recomputation of random ops (its own RNG stream on CUDA; torch issue #198333 on 2.13).
+# "full" recomputes everything, random ops included, as in eager.
+def _save_compute_intensive_and_random(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS or draws_random(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_policy_function(policy: Any) -> Callable[..., Any] | None:
+    """The selective-checkpoint policy of ``policy`` under compile (NOTE [Random ops under compile's selective])."""
+    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
+        return _save_compute_intensive_and_random
+    return policy_function(policy)
+
+
+def _save_listed(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def policy_function(policy: Any) -> Callable[..., Any] | None:
+    """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
+    if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
+        return None
+    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
+        return _save_compute_intensive
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
+        if odd:
+            raise RematError(
+                f"remat.checkpoint: a policy list holds aten op overloads to save, got {odd[0]!r} "
+                f"({type(odd[0]).__name__}); name an overload, e.g. torch.ops.aten.mm.default."
+            )
+        return functools.partial(_save_listed, frozenset(policy))
+    if callable(policy) and not isinstance(policy, str):
+        return policy
+    raise RematError(
+        f"remat.checkpoint: unknown policy {policy!r}; use 'full', 'selective', 'keep', a list of aten ops "
+        "to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
+    )
