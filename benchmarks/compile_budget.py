@@ -151,7 +151,7 @@ def _slower(a: list[float], b: list[float], ref: list[float]) -> str:
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
     lo, hi = medians[100], medians[1899]
-    return f"+{statistics.median(diffs):.2f} [{lo:+.2f}, {hi:+.2f}]{', beyond noise' if lo > 0 else ''}"
+    return f"{statistics.median(diffs):+.2f} [{lo:+.2f}, {hi:+.2f}]{', beyond noise' if lo > 0 else ''}"
 
 
 def model_table(name: str, budgets: list[float], backend: str, points: int, rounds: int, planner: str) -> list[str]:
