@@ -56,7 +56,7 @@ from torch.utils.checkpoint import (
 )
 
 
-__all__ = ["run_compiled", "eager_module", "quiet_torch_notice", "compiled_peak"]
+__all__ = ["run_compiled", "eager_module", "quiet_torch_notice"]
 
 
 class _NotTraced(Exception):
