@@ -87,12 +87,13 @@ class _Frame:
         then it holds its inputs only as strongly as its module does: weakly those the module did not save,
         which an unwrapped module would let go of now (a ReLU's)."""
         self.out_key, self.out_bytes, self.version = storage_key(out), out.numel() * out.element_size(), out._version
-        held = sum(n for key, n in self.inputs.items() if key not in self.saved_inputs)
-        own = {storage_key(s.tensor): s.tensor.numel() * s.tensor.element_size() for s in self.pending}
-        own.pop(self.out_key, None)
+        # Its forward is over: what it saved, and which inputs, no longer change (finish() reads them too).
+        self.held = sum(n for key, n in self.inputs.items() if key not in self.saved_inputs)
+        self.saved_bytes = {storage_key(s.tensor): s.tensor.numel() * s.tensor.element_size() for s in self.pending}
+        own = sum(n for key, n in self.saved_bytes.items() if key != self.out_key)
         # Holding them pays already when what it saved besides its output outweighs them (GELU under autocast
         # saves an fp32 copy of its bf16 input): hold them. Else only consumers of its output could make it pay.
-        if held and sum(own.values()) <= held + self.out_bytes:
+        if self.held and own <= self.held + self.out_bytes:
             self.leaves = [weakref.ref(x) if isinstance(x, torch.Tensor) else x for x in self.leaves]
             self.weak = True
 
@@ -115,12 +116,11 @@ class _Frame:
     def finish(self) -> None:
         """At the end of the block's forward, drop what it saved where that pays (NOTE [What a region
         drops]); else keep everything, as an unwrapped module would, and let go of its inputs."""
-        freed = {storage_key(s.tensor): s.tensor.numel() * s.tensor.element_size() for s in self.pending}
+        freed = dict(self.saved_bytes)
         if self.direct:
             freed[self.out_key] = self.out_bytes
-        held = sum(n for key, n in self.inputs.items() if key not in self.saved_inputs)
         transient = self.out_bytes if self.consumers == 0 else 0
-        if sum(freed.values()) + self.copy_bytes > held + transient and self._inputs_alive():
+        if sum(freed.values()) + self.copy_bytes > self.held + transient and self._inputs_alive():
             for saved in self.pending:
                 saved.tensor = None
             for view in self.views:
