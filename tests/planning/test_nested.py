@@ -299,7 +299,7 @@ def test_nested_floor_is_the_lowest_peak_of_all_plans(seed):
     c = _synthetic(5, seed)
     plans = _all_plans(0, 5, False)
     peaks = [simulate(c, p) for p in plans]
-    floor, nodes = lowest_nested(c, c.chain.pre_peak, max(peaks))
+    floor, nodes = lowest_nested(c, max(peaks))
     assert floor == simulate(c, nodes) == min(peaks)
     one_level = min(peak for p, peak in zip(plans, peaks) if all(node.end is None for node in p))
     assert floor <= one_level
@@ -309,7 +309,7 @@ def test_nested_floor_is_the_lowest_peak_of_all_plans(seed):
 def test_the_floor_plan_is_the_fastest_at_its_peak(seed):
     c = _synthetic(5, seed)
     plans = _all_plans(0, 5, False)
-    floor, nodes = lowest_nested(c, c.chain.pre_peak, 10**12)
+    floor, nodes = lowest_nested(c, 10**12)
     at_floor = [extra_time(c, p) for p in plans if simulate(c, p) <= floor]
     assert extra_time(c, nodes) <= min(at_floor) + 1e-9
 

@@ -73,10 +73,8 @@ class _Needs(_Recursion):
         return (Node(s, end=k, children=self.plan(s, k, False)), *self.plan(k, e, top))
 
 
-def lowest_nested(c: Costs, low: int, high: int) -> tuple[int, tuple[Node, ...]] | None:
-    """The lowest peak of a nested plan (NOTE [The floor without a grid]) and the plan, or None above ``high``.
-
-    ``low`` is a lower bound the caller knows (unused: the recursion is exact)."""
+def lowest_nested(c: Costs, high: int) -> tuple[int, tuple[Node, ...]] | None:
+    """The lowest peak of a nested plan (NOTE [The floor without a grid]) and the plan, or None above ``high``."""
     needs = _Needs(c)
     n = len(c.chain.blocks)
     if max(c.chain.pre_peak, c.chain.start + int(needs.need[True][0, n])) > high:
@@ -113,7 +111,7 @@ def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     cached = profile.__dict__.get("_remat_nested_floor", False)
     if cached is False:
         c = costs_of(profile)
-        cached = None if c is None else lowest_nested(c, c.chain.pre_peak, profile.baseline_peak_bytes)
+        cached = None if c is None else lowest_nested(c, profile.baseline_peak_bytes)
         if cached is not None:
             cached = (_peak(profile, c, cached[1]), cached[1])
         profile.__dict__["_remat_nested_floor"] = cached
