@@ -3,6 +3,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import remat
 
@@ -111,3 +112,41 @@ class Untouched:
         assert list(model.state_dict()) == self.keys
         assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == self.forwards
         assert {n: m.config.use_cache for n, m in model.named_modules() if n in self.caches} == self.caches
+
+
+class TensorParallelBlock(nn.Module):
+    """A pre-norm MLP block; with tensor parallelism its norm and MLP see DTensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.act, self.down = nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(self.act(self.up(self.norm(x)))))
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group and its 1-device CPU mesh: tensor parallelism's DTensors without a second rank."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo and no process group yet")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel(model, mesh):
+    """Each TensorParallelBlock of ``model``: sequence-parallel norm, column- then row-parallel MLP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    for block in model.modules():
+        if isinstance(block, TensorParallelBlock):
+            parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(),
+                                             "down": RowwiseParallel()})
+    return model

@@ -26,6 +26,8 @@ from remat.core._step import training_step
 from remat.planning._synthetic import synthetic_profile
 from remat.zoo import build
 
+from conftest import TensorParallelBlock, tensor_parallel
+
 WORLD = 2
 SIZES = {"layers": 4, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2, "dropout": 0.1}
 BUDGET = 0.6
@@ -218,6 +220,23 @@ def test_plan_on_rank0_without_a_process_group_plans_locally():
     with_buckets = remat.distributed.plan_on_rank0(lambda: prof, budget + prof.grad_bytes, ddp=True)
     assert with_buckets.baseline_peak_bytes == prof.baseline_peak_bytes + prof.grad_bytes
     assert with_buckets.assignment == remat.plan(prof, budget).assignment
+
+
+def test_tensor_parallel_plans_hold_with_dtensor_activations(one_rank_group):
+    """Tensor parallelism (one rank): DTensor activations profiled, planned, applied and measured exactly."""
+    torch.manual_seed(0)
+    model = tensor_parallel(nn.Sequential(*[TensorParallelBlock() for _ in range(6)]), one_rank_group)
+    x = torch.randn(8, 64, 32)
+    prof = remat.profile(model, x, loss_fn=torch.sum, warmup=0, repeat=1)
+    # selective learns no regions beside DTensors and runs op-level, as selective-ops does
+    for block in prof.blocks:
+        assert block.saved_bytes["selective"] == block.saved_bytes["selective-ops"] < block.saved_bytes["keep"]
+    for budget in (0.8, 0.5):
+        plan = remat.plan(prof, budget)
+        remat.apply(model, plan)
+        measured = remat.measure(model, x, loss_fn=torch.sum, warmup=0, repeat=1)
+        remat.remove(model)
+        assert measured.grads_ok and measured.peak_bytes == plan.predicted_peak_bytes <= plan.budget_bytes
 
 
 def _run_example() -> subprocess.CompletedProcess:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from remat.core._cheap_regions import Writes, _Frame, _Outputs
@@ -106,6 +106,18 @@ def _tensor_keys(value: Any) -> set[int]:
     return {storage_key(t) for t in leaves if isinstance(t, torch.Tensor)}
 
 
+# NOTE [Tensor subclasses stay op-level]
+# A region hands its consumers views of its output rebuilt with as_strided, and finds
+# what they saved of it by storage: neither works for a wrapper subclass (tensor
+# parallelism's DTensor activations: as_strided is refused, the storage is a stand-in,
+# so a region beside them recomputed nothing and the block kept everything). A block
+# whose submodules take or return one learns no regions and stays op-level, which is
+# exact for them (torch's selective checkpoint under the mode) and recomputes its cheap ops.
+def _wraps_tensors(value: Any) -> bool:
+    leaves, _ = tree_flatten(value)
+    return any(isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t) for t in leaves)
+
+
 class StructureRecorder(TorchDispatchMode):
     """Entered around a block's first selective forward: which submodules are cheap."""
 
@@ -116,6 +128,8 @@ class StructureRecorder(TorchDispatchMode):
         self.stack: list[_Seen] = []
         self.seen: dict[int, _Seen] = {}
         self.any_heavy = False
+        self.subclass = False
+        """A submodule took or returned a tensor subclass (NOTE [Tensor subclasses stay op-level])."""
         self._hooks: list[Any] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -143,6 +157,7 @@ class StructureRecorder(TorchDispatchMode):
         inputs = _tensor_keys((args, kwargs))
         fits = (isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point()
                 and storage_key(output) not in inputs and not (seen.writes & inputs))
+        self.subclass |= _wraps_tensors((args, kwargs, output))
         seen.unfit |= not fits
         for sub in module.modules():
             for name, buf in sub._buffers.items():
@@ -162,9 +177,9 @@ class StructureRecorder(TorchDispatchMode):
         super().__exit__(*exc)
 
     def structure(self) -> Structure:
-        """The outermost cheap submodules (none when the block has none, or is cheap as a whole)."""
+        """The outermost cheap submodules (none when the block has none, is cheap as a whole or sees subclasses)."""
         cheap = {i for i, s in self.seen.items() if s.work and not s.heavy and not s.unfit}
-        if not self.any_heavy:
+        if not self.any_heavy or self.subclass:
             cheap = set()
         outermost = [self.seen[i] for i in cheap if not (self.seen[i].ancestors & cheap)]
         return Structure(tuple((weakref.ref(s.module), tuple(sorted(s.buffers, key=lambda b: b[1])))
