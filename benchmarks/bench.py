@@ -53,8 +53,20 @@ def main() -> None:
         sections += ["", f"### max batch: {name}", "", result.markdown()]
     paths = plot(report, args.plots)
     sections += ["", "Plots: " + ", ".join(f"[{p.stem}]({os.path.relpath(p, args.out.parent)})" for p in paths)]
-    args.out.write_text("\n".join(sections) + "\n")
+    args.out.write_text(_replace_own_part(args.out, "\n".join(sections) + "\n"))
     print("\n".join(sections))
+
+
+# What this script writes sits between these lines; the other benchmarks' sections below it are kept.
+BEGIN, END = "<!-- benchmarks/bench.py writes from here -->", "<!-- benchmarks/bench.py wrote up to here -->"
+
+
+def _replace_own_part(path: pathlib.Path, text: str) -> str:
+    own = f"{BEGIN}\n{text}{END}\n"
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        return old[:old.index(BEGIN)] + own + old[old.index(END) + len(END) + 1:]
+    return own + ("\n" + old if old else "")
 
 
 if __name__ == "__main__":
