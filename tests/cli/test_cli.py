@@ -456,3 +456,15 @@ def test_policies_option_profiles_the_policies_asked_for():
     assert all(set(b["extra_time_s"]) == {"keep", "selective-ops", "full", "full-fine"} for b in data["blocks"])
     proc = run_cli("profile", "gpt2", *GPT2, "--fake", "--policies", "keep,half")
     assert proc.returncode == 2 and "unknown policies ['half']" in proc.stderr, proc.stderr
+
+
+def test_optimizer_and_accumulation_options_plan_the_loops_step():
+    data = ok_json(run_cli("plan", "gpt2", *GPT2, "--fake", "--budget", "0.9", "--optimizer", "adamw",
+                           "--accumulation-steps", "2", "--json"))
+    assert data["loop"] == "AdamW's state and step and gradients accumulated over 2 backward passes"
+    zoo = build("gpt2", **GPT2_KW)
+    api = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, accumulation_steps=2,
+                        optimizer=torch.optim.AdamW(zoo.model.parameters()))
+    assert data["baseline_peak_bytes"] == api.baseline_peak_bytes
+    proc = run_cli("plan", "gpt2", *GPT2, "--fake", "--budget", "0.9", "--accumulation-steps", "0")
+    assert proc.returncode == 2 and "accumulation_steps must be an integer >= 1" in proc.stderr, proc.stderr

@@ -34,7 +34,7 @@ class TinyChain(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 class _Watch(pl.Callback):
@@ -45,25 +45,29 @@ class _Watch(pl.Callback):
         self.wrapped_at_step.append(sorted(n for n, m in pl_module.named_modules() if remat.is_wrapped(m)))
 
 
-def _fit(tmp_path, *callbacks):
+def _fit(tmp_path, *callbacks, accumulate=1):
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH, 32, generator=g),
-                                          torch.randn(STEPS * BATCH, 32, generator=g))
+    data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH * accumulate, 32, generator=g),
+                                          torch.randn(STEPS * BATCH * accumulate, 32, generator=g))
     module, watch = TinyChain(), _Watch()
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[watch, *callbacks])
+                         callbacks=[watch, *callbacks], accumulate_grad_batches=accumulate)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     return module, watch
 
 
-def test_lightning_with_the_callback_trains_exactly_as_without(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_with_the_callback_trains_exactly_as_without(tmp_path, accumulate):
     torch.use_deterministic_algorithms(True)
-    reference, _ = _fit(tmp_path / "plain")
+    reference, _ = _fit(tmp_path / "plain", accumulate=accumulate)
     callback = RematCallback(budget=0.9, repeat=1)
-    module, watch = _fit(tmp_path / "remat", callback)
+    module, watch = _fit(tmp_path / "remat", callback, accumulate=accumulate)
     plan = callback.plan
     assert plan is not None and plan.checkpointed and plan.model == "TinyChain"
+    # planned for the loop's step: the optimizer's momentum and step, the accumulated gradients
+    assert plan.loop == "SGD's state and step" + (" and gradients accumulated over 2 backward passes"
+                                                  if accumulate == 2 else "")
     assert watch.wrapped_at_step == [sorted(plan.checkpointed)] * STEPS  # before the first optimizer step
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
     for (name, want), got in zip(reference.named_parameters(), module.parameters()):

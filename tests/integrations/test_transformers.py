@@ -67,6 +67,58 @@ def test_trainer_with_the_callback_trains_exactly_as_without(tmp_path, caplog):
     assert "forward" not in model.__dict__  # the one-shot forward is gone
 
 
+class _PeakAfterFirstStep(transformers.TrainerCallback):
+    """The most bytes alive in the Trainer's own steps after the first (profiling done, AdamW's state made)."""
+
+    def __init__(self):
+        self.tracker = None
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == 1 and self.tracker is None:
+            from remat.core._loop import optimizer_state
+            from remat.core._memtrack import StorageTracker
+
+            inner = getattr(optimizer, "optimizer", optimizer)
+            self.known = [*model.parameters(), *model.buffers(), *optimizer_state(inner),
+                          *(p.grad for p in model.parameters() if p.grad is not None)]
+            self.tracker = StorageTracker(known=self.known)
+            self.tracker.__enter__()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.tracker.__exit__(None, None, None)
+
+    @property
+    def peak(self):
+        from remat.core._memtrack import storage_bytes
+
+        return storage_bytes(self.known) + self.tracker.peak
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_plan_holds_in_the_trainers_own_loop(tmp_path, accumulation):
+    """NOTE [The step a loop repeats]: AdamW's state and step, and accumulated gradients, are in the plan."""
+    peaks = {}
+    for loop in ("trainer's", "bare"):
+        callback = RematCallback(budget=0.6, repeat=1, **({} if loop == "trainer's" else {"optimizer": None,
+                                                                                           "accumulation_steps": 1}))
+        watch = _PeakAfterFirstStep()
+        model = _model()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / loop), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
+            report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", seed=0, data_seed=0,
+            gradient_accumulation_steps=accumulation)
+        transformers.Trainer(model=model, args=args, train_dataset=_data() * accumulation,
+                             callbacks=[callback, watch]).train()
+        peaks[loop] = watch.peak, callback.plan
+    peak, plan = peaks["trainer's"]
+    assert "AdamW's state and step" in plan.loop and (accumulation == 1 or "over 2 backward passes" in plan.loop)
+    assert peak <= plan.budget_bytes
+    # the Trainer's own temporaries beside remat's step (gradient clipping's norms, the loss it sums): a few KiB
+    assert abs(peak - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    peak, plan = peaks["bare"]
+    assert plan.loop == "" and peak > plan.budget_bytes * 1.05  # planned for forward and backward alone
+
+
 def test_callback_refuses_transformers_gradient_checkpointing_and_bad_budgets(tmp_path):
     with pytest.raises(remat.RematError, match="gradient_checkpointing=False"):
         _train(tmp_path, RematCallback(budget="20GiB"), gradient_checkpointing=True)

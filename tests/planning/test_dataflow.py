@@ -142,7 +142,7 @@ def test_auto_without_verify_is_the_plain_plan(shared):
 
 def _fake_measure(monkeypatch: pytest.MonkeyPatch, error: int, seen: list) -> None:
     # Every plan measures `error` bytes above its prediction.
-    def measured(model, inputs, loss_fn, plan, backend=None):  # noqa: ANN001, ANN202
+    def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.budget_bytes)
         return plan.predicted_peak_bytes + error
 

@@ -101,6 +101,18 @@ def _fsdp(rank: int) -> dict:
     return out
 
 
+def _fsdp_adamw(rank: int) -> dict:
+    """FSDP2 with the optimizer the loop steps: its sharded state is part of the plan's step."""
+    model, inputs, blocks = _model_and_batch(rank)
+    _shard(model, blocks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = remat.distributed.auto(model, inputs, BUDGET, optimizer=optimizer, repeat=1, warmup=0)
+    measured = remat.measure(model, inputs, optimizer=optimizer, warmup=1, repeat=1)
+    bare = remat.measure(model, inputs, warmup=1, repeat=1)
+    return {"plan": plan.to_json(), "peak": measured.peak_bytes, "bare_peak": bare.peak_bytes,
+            "state_left": len(optimizer.state)}
+
+
 def _ddp(rank: int) -> dict:
     ddp = nn.parallel.DistributedDataParallel
     model, inputs, _ = _model_and_batch(rank)
@@ -139,7 +151,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        results = {"fsdp": _fsdp(rank), "ddp": _ddp(rank), "rank0_error": _rank0_error()}
+        results = {"fsdp": _fsdp(rank), "fsdp_adamw": _fsdp_adamw(rank), "ddp": _ddp(rank),
+                   "rank0_error": _rank0_error()}
     finally:
         dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -205,6 +218,14 @@ def test_measured_peak_per_rank_is_within_budget(ranks, mode):
         assert [r["fsdp"]["peak"] for r in ranks] == [r["fsdp"]["torch_peak"] for r in ranks]
     if mode == "ddp":  # the resting storages remat found beyond the model's are exactly DDP's buckets
         assert [r["ddp"]["buckets"] for r in ranks] == [r["ddp"]["unlisted"] for r in ranks]
+
+
+def test_fsdp_plans_hold_with_the_sharded_optimizer_state(ranks):
+    for r in ranks:
+        plan = remat.Plan.from_json(r["fsdp_adamw"]["plan"])
+        assert "AdamW's state and step" in plan.loop and r["fsdp_adamw"]["state_left"] == 0
+        assert r["fsdp_adamw"]["peak"] == plan.predicted_peak_bytes <= plan.budget_bytes
+        assert r["fsdp_adamw"]["peak"] > r["fsdp_adamw"]["bare_peak"]
 
 
 def test_rank0_planning_error_reaches_every_rank(ranks):

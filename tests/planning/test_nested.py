@@ -104,7 +104,7 @@ def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
 
     budget = int(remat.plan(prof, strategy="none", nested=False).min_peak_bytes * 1.02)
 
-    def measured(model, inputs, loss_fn, plan, backend=None):  # noqa: ANN001, ANN202
+    def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan)  # every plan but the lowest-peak one measures over the budget
         return floor if plan.predicted_peak_bytes == floor else budget + 1
 
@@ -133,9 +133,9 @@ def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch):
     assert remat.plan(prof, strategy="none").min_peak_bytes < one_level  # auto's last resort is nested
     real, seen = apply_module._measured, []
 
-    def measured(model, inputs, loss_fn, plan, backend=None):  # noqa: ANN001, ANN202
+    def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.segments)  # plans above the one-level floor measure 1 MiB over: only the lowest is left
-        return real(model, inputs, loss_fn, plan, backend) + (2**20 if plan.predicted_peak_bytes > one_level else 0)
+        return real(model, inputs, loss_fn, plan, backend, loop) + (2**20 if plan.predicted_peak_bytes > one_level else 0)
 
     monkeypatch.setattr(apply_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)

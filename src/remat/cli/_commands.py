@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich import box
 from rich.markup import escape
 from rich.padding import Padding
@@ -75,7 +76,21 @@ def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
             loaded.model, loaded.inputs, loaded.loss_fn, blocks=_blocks(args.blocks), repeat=args.repeat,
             fake=args.fake, target=args.target if args.fake else None,
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+            optimizer=make_optimizer(args.optimizer, loaded.model), accumulation_steps=args.accumulation_steps,
         )
+
+
+#: ``--optimizer``: the loop's optimizer, on the model's parameters (memory does not depend on the rates).
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+}
+
+
+def make_optimizer(name: str | None, model: Any) -> Any:
+    return None if name is None else OPTIMIZERS[name](model.parameters())
 
 
 def _table(title: str, names: list[str], columns: tuple[str, ...]) -> Table:

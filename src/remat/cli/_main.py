@@ -27,7 +27,7 @@ from dataclasses import asdict
 from rich.table import Table
 
 from remat.cli._bench import cmd_bench, cmd_max_batch
-from remat.cli._commands import _STRATEGY_HELP, cmd_doctor, cmd_plan, cmd_profile
+from remat.cli._commands import _STRATEGY_HELP, OPTIMIZERS, cmd_doctor, cmd_plan, cmd_profile
 from remat.cli._model import add_model_options
 from remat.cli._ui import Ui, error_line
 from remat.errors import RematError
@@ -131,6 +131,10 @@ def _profile_parent() -> argparse.ArgumentParser:
     p.add_argument("--policies", metavar="P,P,...", default="keep,selective,selective-ops,full",
                    help="the policies to profile and plan with (default keep,selective,selective-ops,full; also "
                         "full-fine: a lower floor)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
+                   help="plan for a loop that steps this optimizer after each backward (its state and step count)")
+    p.add_argument("--accumulation-steps", type=int, default=1, metavar="N",
+                   help="backward passes per optimizer step (gradient accumulation; default 1)")
     return p
 
 

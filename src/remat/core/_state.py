@@ -34,7 +34,9 @@ class ModelState:
             for name, p in self.model.named_parameters(remove_duplicate=False):
                 data, grad, requires_grad = self.params[name]
                 p.copy_(data)
-                p.grad = None if grad is None else grad.to(p.device)
+                # a copy: on the CPU .to() would hand out the snapshot itself, and a step that
+                # accumulates into p.grad in place (NOTE [The step a loop repeats]) would change it
+                p.grad = None if grad is None else grad.to(p.device, copy=True)
                 p.requires_grad_(requires_grad)
             for name, b in self.model.named_buffers(remove_duplicate=False):
                 saved = self.buffers[name]

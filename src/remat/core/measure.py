@@ -16,7 +16,6 @@ steps. The model is restored afterwards: parameters, buffers, gradients,
 
 from __future__ import annotations
 
-import copy
 import gc
 import statistics
 import time
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from remat.core._compiled import eager_module
+from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
 from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
@@ -80,41 +80,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _resting_tensors(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def _resting_tensors(model: nn.Module, inputs: Any, loop: Loop) -> list[torch.Tensor]:
     tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs)]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return tensors
+    return tensors + loop.resident(model)
 
 
 def measure_peak(
-    model: nn.Module, inputs: Any, loss_fn: LossFn | None = None, optimizer: torch.optim.Optimizer | None = None,
-    *, allocator: bool = False,
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None = None, loop: Loop = NO_LOOP, *, allocator: bool = False,
 ) -> tuple[int, int, float]:
-    """(peak bytes, resting bytes, loss) of one step; gradients are left on the model.
+    """(peak bytes, resting bytes, loss) of one step as ``loop`` repeats it; gradients are left on the model.
 
-    ``allocator``: off CUDA, count the step from the CPU allocator's reports rather than
-    from the dispatcher, for kernels it never sees (``torch.compile``'s).
+    The step starts from the loop's steady state (NOTE [The step a loop repeats]): the
+    caller restores parameters, gradients and the optimizer's state. ``allocator``: off
+    CUDA, count the step from the CPU allocator's reports rather than from the
+    dispatcher, for kernels it never sees (``torch.compile``'s).
     """
     device = device_of(model, inputs)
-    model.zero_grad(set_to_none=True)
+    loop.steady(model, inputs, loss_fn)
+    loop.start(model)
     gc.collect()
+    step = lambda: training_step(model, inputs, loss_fn, loop.optimizer)  # noqa: E731
     if device.type == "cuda":
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         resting = torch.cuda.memory_allocated(device)
-        loss = training_step(model, inputs, loss_fn, optimizer)
+        loss = step()
         _sync(device)
         return torch.cuda.max_memory_allocated(device), resting, float(loss)
-    resting_tensors = _resting_tensors(model, inputs, optimizer)
+    resting_tensors = _resting_tensors(model, inputs, loop)
     if allocator:
-        step_peak, loss = allocator_peak(lambda: training_step(model, inputs, loss_fn, optimizer))
+        step_peak, loss = allocator_peak(step)
         resting = storage_bytes(resting_tensors)
         return resting + step_peak, resting, float(loss)
     tracker = StorageTracker(known=resting_tensors)
     with tracker:
-        loss = training_step(model, inputs, loss_fn, optimizer)
+        loss = step()
     # ``discovered``: resting storages that are not the model's, such as DDP's gradient buckets.
     resting = storage_bytes(resting_tensors) + tracker.discovered
     return resting + tracker.peak, resting, float(loss)
@@ -126,6 +126,7 @@ def measure(
     loss_fn: LossFn | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    accumulation_steps: int = 1,
     warmup: int = 1,
     repeat: int = 3,
 ) -> Measurement:
@@ -137,7 +138,10 @@ def measure(
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` or the
             sum of the floating-point outputs.
         optimizer: when given, the step includes ``optimizer.step()`` and the
-            peak includes its state.
+            peak includes its state (made by a step first, as in a running loop).
+        accumulation_steps: backward passes per optimizer step; from 2 on, the
+            measured step starts with every gradient alive, as the loop's later
+            backward passes do (NOTE [The step a loop repeats]).
         warmup: untimed steps first (lazy initialisation, allocator warm-up).
         repeat: timed steps; the reported time is their median.
     """
@@ -145,28 +149,29 @@ def measure(
     check_devices(model, inputs, "remat.measure")
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
+    loop = make_loop(model, optimizer, accumulation_steps, "remat.measure")
     device = device_of(model, inputs)
     state = capture(model)
-    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    opt_state = OptimizerSnapshot(optimizer)
     try:
         with model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)):
+            loop.steady(model, inputs, loss_fn)
             times = []
             for i in range(warmup + repeat):
-                model.zero_grad(set_to_none=True)
+                loop.start(model)
                 _sync(device)
                 start = time.perf_counter()
                 training_step(model, inputs, loss_fn, optimizer)
                 _sync(device)
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
-            peak, resting, loss = measure_peak(model, inputs, loss_fn, optimizer)
+            peak, resting, loss = measure_peak(model, inputs, loss_fn, loop)
             params = trainable_parameters(model)
             missing = tuple(n for n, p in params.items() if p.grad is None)
             zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
     finally:
         state.restore()
-        if optimizer is not None:
-            optimizer.load_state_dict(opt_state)
+        opt_state.restore()
     return Measurement(
         peak_bytes=peak,
         resting_bytes=resting,
@@ -179,8 +184,8 @@ def measure(
     )
 
 
-def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str) -> int:
-    """Peak bytes of one ``torch.compile(model, backend=backend)`` training step, allocator-level.
+def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str, loop: Loop = NO_LOOP) -> int:
+    """Peak bytes of one ``torch.compile(model, backend=backend)`` training step of ``loop``, allocator-level.
 
     One step compiles first, so the compiler's own allocations are not counted. Gradients,
     buffers and RNG are left as the steps left them: the caller restores the model.
@@ -196,8 +201,8 @@ def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str) -> int
     torch._dynamo.reset()
     try:
         compiled = torch.compile(eager_module(model), backend=backend)
-        measure_peak(compiled, inputs, loss_fn, allocator=True)
-        peak, _, _ = measure_peak(compiled, inputs, loss_fn, allocator=True)
+        measure_peak(compiled, inputs, loss_fn, loop, allocator=True)
+        peak, _, _ = measure_peak(compiled, inputs, loss_fn, loop, allocator=True)
     finally:
         torch._dynamo.reset()
     return peak

@@ -35,6 +35,12 @@ def check_budget(budget: Any, api: str) -> None:
     remat.parse_budget(budget, 1)
 
 
+def with_loop(options: dict[str, Any], optimizer: Any, accumulation_steps: int) -> dict[str, Any]:
+    """``remat.auto``'s options with the training loop's optimizer and gradient accumulation (NOTE [The step a
+    loop repeats]), unless the caller gave them (``optimizer=None``: plan for the bare step)."""
+    return {"optimizer": optimizer, "accumulation_steps": accumulation_steps, **options}
+
+
 def plan_on_batch(model: nn.Module, inputs: Any, budget: Any, options: dict[str, Any], out_dir: Any,
                   api: str) -> remat.Plan:
     """``remat.auto`` on the real batch; logs the plan and its measured peak and writes it to ``out_dir``."""

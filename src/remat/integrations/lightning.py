@@ -24,7 +24,7 @@ except ImportError:
     from pytorch_lightning import Callback, LightningModule, Trainer
 
 from remat import Plan, RematError
-from remat.integrations._first_batch import check_budget, plan_on_batch
+from remat.integrations._first_batch import check_budget, plan_on_batch, with_loop
 
 __all__ = ["RematCallback"]
 
@@ -36,7 +36,9 @@ class RematCallback(Callback):
 
     ``budget``: bytes (``"20GiB"``) or a fraction of the peak without checkpointing (0.5).
     ``out_dir``: where ``remat_plan.json`` goes (default the Trainer's ``log_dir`` or ``default_root_dir``).
-    ``options`` go to :func:`remat.auto` (``blocks``, ``repeat``, ``verify`` ...).
+    ``options`` go to :func:`remat.auto` (``blocks``, ``repeat``, ``verify`` ...). The plan holds for the
+    Trainer's steps: its optimizer's state and step and ``accumulate_grad_batches`` are part of the planned
+    peak (``optimizer=None`` plans for forward and backward alone).
     After the first batch ``self.plan`` is the plan applied (``plan.measured_peak_bytes``: its step).
     """
 
@@ -58,8 +60,10 @@ class RematCallback(Callback):
             )
         out_dir = self.out_dir or trainer.log_dir or trainer.default_root_dir
         context = getattr(trainer.precision_plugin, "train_step_context", contextlib.nullcontext)
+        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        options = with_loop(self.options, optimizer, trainer.accumulate_grad_batches)
         with _step_as_forward(pl_module, batch_idx), context():
-            self.plan = plan_on_batch(pl_module, (batch,), self.budget, self.options, out_dir, _API)
+            self.plan = plan_on_batch(pl_module, (batch,), self.budget, options, out_dir, _API)
 
 
 @contextlib.contextmanager

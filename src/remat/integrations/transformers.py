@@ -19,7 +19,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from remat import Plan, RematError
-from remat.integrations._first_batch import check_budget, plan_on_batch
+from remat.integrations._first_batch import check_budget, plan_on_batch, with_loop
 
 __all__ = ["RematCallback"]
 
@@ -31,7 +31,9 @@ class RematCallback(TrainerCallback):
 
     ``budget``: bytes (``"20GiB"``) or a fraction of the peak without checkpointing (0.5).
     ``out_dir``: where ``remat_plan.json`` goes (default the Trainer's ``args.output_dir``).
-    ``options`` go to :func:`remat.auto` (``blocks``, ``repeat``, ``verify``, ``loss_fn`` ...).
+    ``options`` go to :func:`remat.auto` (``blocks``, ``repeat``, ``verify``, ``loss_fn`` ...). The plan holds
+    for the Trainer's steps: its optimizer's state and step and ``gradient_accumulation_steps`` are part
+    of the planned peak (``optimizer=None`` plans for forward and backward alone).
     After the first step ``self.plan`` is the plan applied (``plan.measured_peak_bytes``: its step).
     """
 
@@ -52,6 +54,7 @@ class RematCallback(TrainerCallback):
         if model is None or self.plan is not None:
             return
         out_dir = self.out_dir or args.output_dir
+        options = with_loop(self.options, kwargs.get("optimizer"), args.gradient_accumulation_steps)
         original = model.__dict__.get("forward")
         self._armed = (model, original)
 
@@ -62,7 +65,7 @@ class RematCallback(TrainerCallback):
             if f_args and f_kwargs:
                 raise RematError(f"{_API}: the model was called with both positional and keyword inputs; remat.auto "
                                  "profiles a dict (the Trainer's batch) or a tuple. Call the model with one of them.")
-            self.plan = plan_on_batch(model, f_kwargs or f_args, self.budget, self.options, out_dir, _API)
+            self.plan = plan_on_batch(model, f_kwargs or f_args, self.budget, options, out_dir, _API)
             return model.forward(*f_args, **f_kwargs)  # the model's own, now with the plan's blocks
 
         model.forward = first_forward

@@ -22,6 +22,7 @@ from remat.core._segment import schedule_segments, unschedule
 from remat.core._state import capture
 from remat.core._user_errors import model_errors, require_module
 from remat.core.checkpoint import unwrap, wrap
+from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core.measure import compiled_peak, measure_peak
 from remat.errors import RematError
 from remat.planning._compiled import chain_profile, design, fit, is_chain
@@ -113,7 +114,9 @@ def auto(
     ``inputs`` is what the model is called with: a tensor, a tuple, or a dict such as
     the batch a data loader yields (labels included: a Hugging Face model then
     returns ``output.loss``, which remat uses). ``profile_options`` go to
-    :func:`remat.profile` (``blocks``, ``repeat``, ``training``, ``fake`` ...).
+    :func:`remat.profile` (``blocks``, ``repeat``, ``training``, ``fake`` ...); with the loop's
+    ``optimizer=`` and ``accumulation_steps=`` the plan is made, and verified, for the step the
+    loop repeats (NOTE [The step a loop repeats]).
 
     NOTE [Verify when it can]
     The peak model is exact on chains of blocks; data flow it does not follow (a
@@ -148,19 +151,21 @@ def auto(
     require_module(model, "remat.auto")
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     backend = _compile_backend(compiled, verify, profile_options)
+    loop = make_loop(model, profile_options.get("optimizer"), profile_options.get("accumulation_steps", 1),
+                     "remat.auto")
     check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)
     try:
         prof = make_profile(model, inputs, loss_fn, **profile_options)
         try:
-            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify)
+            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop)
         except _Unreachable:
             if not _may_go_finer(model, prof, backend, profile_options):
                 raise
             # NOTE [Finer only when needed]
             prof = make_profile(model, inputs, loss_fn, **{**profile_options, "policies": (*prof.policies, FINE)})
-            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify)
+            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop)
             note = (f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
                     f"{FINE} (each block's sub-layers checkpointed inside its recomputation).")
             chosen = replace(chosen, notes=(*chosen.notes, note))
@@ -184,9 +189,9 @@ class _Unreachable(RematError):
 
 
 def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
-                  verify: bool) -> Plan:
+                  verify: bool, loop: Loop) -> Plan:
     if verify and not prof.fake:
-        return _verified_plan(model, inputs, loss_fn, prof, budget, backend)
+        return _verified_plan(model, inputs, loss_fn, prof, budget, backend, loop)
     try:
         chosen = make_plan(prof, budget)
     except RematError as exc:
@@ -219,20 +224,22 @@ def _compile_backend(compiled: bool | str, verify: bool, profile_options: dict) 
     return compiled
 
 
-def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None) -> int:
-    """Peak of one real step with ``plan`` applied, in the plan's mode (compiled with ``backend`` if given);
-    the model is restored after."""
+def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None,
+              loop: Loop = NO_LOOP) -> int:
+    """Peak of one real step of ``loop`` with ``plan`` applied, in the plan's mode (compiled with ``backend`` if
+    given); the model and the optimizer are restored after."""
     _put(model, plan)
-    state = capture(model)
+    state, optimizer_state = capture(model), OptimizerSnapshot(loop.optimizer)
     try:
         if plan.training is not None:
             model.train(plan.training)
         with model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
             if backend is not None:
-                return compiled_peak(model, inputs, loss_fn, backend=backend)
-            peak, _, _ = measure_peak(model, inputs, loss_fn)
+                return compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop)
+            peak, _, _ = measure_peak(model, inputs, loss_fn, loop)
     finally:
         state.restore()
+        optimizer_state.restore()
     return peak
 
 
@@ -248,8 +255,9 @@ class _Candidates:
     """
 
     def __init__(self, model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str | None,
-                 notes: list[str]) -> None:
+                 notes: list[str], loop: Loop) -> None:
         self.model, self.inputs, self.loss_fn, self.prof, self.backend = model, inputs, loss_fn, prof, backend
+        self.loop = loop
         self.notes = notes
         self.nested = True
         self.tried: list[tuple[Plan, int]] = []
@@ -267,7 +275,7 @@ class _Candidates:
         if same:
             return plan, same[0]
         try:
-            measured = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend)
+            measured = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend, self.loop)
         except RematError as err:
             if not plan.segments:
                 raise
@@ -283,7 +291,8 @@ class _Candidates:
         return plan, measured
 
 
-def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str) -> tuple[Any, int, str]:
+def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str,
+                      loop: Loop) -> tuple[Any, int, str]:
     """(the profile to plan the compiled step with, its compiled peak without checkpointing, a note).
 
     A chain of blocks gets the fitted compiled chain (NOTE [Predicting compiled peaks]); any other model
@@ -294,7 +303,7 @@ def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, ba
 
     def measure(policies: tuple[str, ...]) -> int:
         return _measured(model, inputs, loss_fn, replace(keep, assignment=dict(zip(names, policies, strict=True))),
-                         backend)
+                         backend, loop)
 
     baseline = measure(("keep",) * len(names))
     if not is_chain(prof):
@@ -304,21 +313,22 @@ def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, ba
     return chained, baseline, chained.notes[-1]
 
 
-def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None) -> Plan:
+def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
+                   loop: Loop) -> Plan:
     # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
     baseline = prof.baseline_peak_bytes
     notes: list[str] = []
     scale = 1.0
     if backend is not None:
         eager_baseline = baseline
-        planned, baseline, note = _compiled_profile(model, inputs, loss_fn, prof, backend)
+        planned, baseline, note = _compiled_profile(model, inputs, loss_fn, prof, backend, loop)
         notes += [f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
                   f"{baseline / eager_baseline:.2f} of the eager peak.", note]
         scale = 1.0 if planned is not prof else eager_baseline / baseline
         prof = planned
     execution = "eager" if backend is None else "compiled"
     limit = parse_budget(budget, baseline)
-    candidates = _Candidates(model, inputs, loss_fn, prof, backend, notes)
+    candidates = _Candidates(model, inputs, loss_fn, prof, backend, notes, loop)
     candidates.nested = backend is None  # nested regions are not modelled (nor tested) under compile
     target, margin = limit, 0
     for _ in range(REPLANS + 1):
@@ -350,5 +360,5 @@ def _verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budge
         f"{human_bytes(baseline)} {execution} peak without checkpointing) cannot be met: the lowest-peak plan "
         f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "
         f"{human_bytes(int(lowest.predicted_peak_bytes / scale))}). Raise the budget to at least {measured} bytes, or lower the "
-        "batch size / sequence length."
+        "batch size / sequence length." + prof.held_by_loop()
     )

@@ -62,6 +62,9 @@ class Plan:
     segments: tuple[tuple[str, str], ...] = ()
     """Nested plans: runs of consecutive blocks (first, last) checkpointed as one region, recomputed in
     backward with the blocks' own policies inside; ranges nest or are disjoint (``remat.planning._nested``)."""
+    loop: str = ""
+    """What the planned step holds beyond forward and backward (an optimizer's state and step, accumulated
+    gradients: NOTE [The step a loop repeats]); empty: neither."""
 
     @property
     def verified(self) -> bool:
@@ -96,6 +99,8 @@ class Plan:
         elif self.budget_bytes is not None and self.predicted_peak_bytes > self.budget_bytes:
             text += (f" Predicted OVER the budget by {human_bytes(self.predicted_peak_bytes - self.budget_bytes)}: "
                      f"the {self.strategy} strategy does not look at the budget; the optimal one fits it.")
+        if self.loop:
+            text += f" Peaks include {self.loop}."
         text += "".join(f" {note}" for note in self.notes)
         if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
             text += (" No plan lowers this model's peak by more than 1%: the peak is set where "
@@ -235,6 +240,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
         model=profile.model,
         training=profile.training,
         parameters=profile.parameters,
+        loop=profile.loop,
     )
 
 
@@ -348,7 +354,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
             "that, or lower the batch size / sequence length"
             + ("" if "full-fine" in profile.policies else ", or profile with policies=(..., 'full-fine') (each "
                "block's sub-layers checkpointed inside its recomputation: a lower floor; remat.auto does so itself)")
-            + "."
+            + "." + profile.held_by_loop()
         )
     chain = chain_of(profile)
     if chain is not None:
@@ -386,4 +392,5 @@ def _nested(profile: Profile, limit: int, minimum: int) -> Plan | None:
         training=profile.training,
         parameters=profile.parameters,
         segments=segments,
+        loop=profile.loop,
     )

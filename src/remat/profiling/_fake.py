@@ -24,6 +24,7 @@ what those kernels allocate beside their outputs:
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._pytree import tree_map
 
 from remat.core._hf import cache_disabled, fake_tensors_untraced
+from remat.core._loop import NO_LOOP, Loop, optimizer_state
+from remat.core._memtrack import storage_bytes
 from remat.core._step import LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
@@ -54,13 +57,16 @@ class _FakeWeights:
     """Swaps every parameter and buffer for a fake twin; puts the originals back on exit.
 
     A tensor held by several modules (tied embedding and output weights) gets one
-    twin, so that it is counted once, as on the device.
+    twin, so that it is counted once, as on the device. The loop's optimizer steps
+    the twins, with a state of its own made on them (NOTE [The step a loop repeats]).
     """
 
-    def __init__(self, model: nn.Module, mode: FakeTensorMode) -> None:
+    def __init__(self, model: nn.Module, mode: FakeTensorMode, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = model
         self.mode = mode
+        self.optimizer = optimizer
         self.saved: list[tuple[dict, str, Any]] = []
+        self.groups: list[tuple[dict, list]] = []
 
     def __enter__(self) -> None:
         twins: dict[int, torch.Tensor] = {}
@@ -75,11 +81,20 @@ class _FakeWeights:
                         twins[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(
                             t, nn.Parameter) else fake
                     store[name] = twins[id(t)]
+        if self.optimizer is not None:
+            self.groups = [(group, group["params"]) for group in self.optimizer.param_groups]
+            for group, params in self.groups:
+                group["params"] = [twins.get(id(p), p) for p in params]
+            self.state, self.optimizer.state = self.optimizer.state, defaultdict(dict)
 
     def __exit__(self, *exc: Any) -> None:
         for store, name, t in reversed(self.saved):
             store[name] = t
         self.saved.clear()
+        if self.optimizer is not None:
+            for group, params in self.groups:
+                group["params"] = params
+            self.optimizer.state = self.state
 
 
 @contextlib.contextmanager
@@ -94,7 +109,7 @@ def _target_kernels(target: Target, gpu_path: bool) -> Iterator[None]:
 
 
 def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], policies: Sequence[str],
-           target: Target, gpu_path: bool) -> tuple[dict, dict, Any, dict]:
+           target: Target, gpu_path: bool, loop: Loop) -> tuple[dict, dict, Any, dict, tuple[int, int]]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows()
 
@@ -110,18 +125,20 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
     switch = _Policies(model, names)
     traced, io_bytes, ledgers = {}, {}, {}
     try:
-        with _FakeWeights(model, mode), cache_disabled(model), _target_kernels(target, gpu_path), \
+        with _FakeWeights(model, mode, loop.optimizer), cache_disabled(model), _target_kernels(target, gpu_path), \
                 young_collections():
             for policy, run_as, learn in trace_schedule(policies):
                 switch.set(run_as)
                 with mode, shadows:
                     if learn:
                         learn_structure(model, fake_inputs, loss_fn)
+                    loop.steady(model, fake_inputs, loss_fn)
                     traced[policy], io, _, ledgers[policy] = traced_step(
-                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace
+                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
                     )
                 io_bytes = io_bytes or io
-            return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers
+            kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
+            return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers, kept
     finally:
         switch.restore()
 
@@ -134,6 +151,7 @@ def run_fake_profile(
     names: Sequence[str],
     policies: Sequence[str],
     target: Target,
+    loop: Loop = NO_LOOP,
 ) -> Profile:
     """Profile on fake tensors with times from ``target`` (see ``remat.profile``)."""
     training = {n: m.training for n, m in model.named_modules()}
@@ -141,13 +159,13 @@ def run_fake_profile(
     notes = []
     try:
         try:
-            traced, io_bytes, fake_inputs, ledgers = _trace(model, inputs, loss_fn, names, policies, target,
-                                                            gpu_path=True)
+            traced, io_bytes, fake_inputs, ledgers, kept = _trace(model, inputs, loss_fn, names, policies, target,
+                                                                  gpu_path=True, loop=loop)
         except DataDependentOutputException:
             # A value the shadows do not know (computed from weights, say): the library's own
             # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
-            traced, io_bytes, fake_inputs, ledgers = _trace(model, inputs, loss_fn, names, policies, target,
-                                                            gpu_path=False)
+            traced, io_bytes, fake_inputs, ledgers, kept = _trace(model, inputs, loss_fn, names, policies, target,
+                                                                  gpu_path=False, loop=loop)
             notes.append("fake run: the model's forward reads tensor values, so transformers took its tracing "
                          "path (explicit masks, repeated K/V heads), which a GPU step does not take.")
         extra = target.cuda.persistent_bytes if target.cuda is not None else 0
@@ -156,7 +174,7 @@ def run_fake_profile(
                          f"allocated ({target.cuda.source}).")
         return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [], fake=True,
                          target=target.name, device=f"{target.name} (fake)", extra_resting=extra, notes=notes,
-                         crossings=ledgers)
+                         crossings=ledgers, loop=loop, loop_bytes=kept)
     except DataDependentOutputException as exc:
         raise RematError(
             f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "

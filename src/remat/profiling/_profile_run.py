@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from remat.core._hf import cache_disabled
+from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture
 from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
@@ -59,20 +60,25 @@ class _Policies:
                 m.__dict__["forward"] = forward
 
 
-def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder) -> None:
-    model.zero_grad(set_to_none=True)
+def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder,
+              loop: Loop = NO_LOOP) -> None:
+    loop.start(model)
     recorder.begin("fwd", None)
     training_step(model, inputs, loss_fn, before_backward=lambda: recorder.begin("bwd", None))
+    if loop.optimizer is not None:  # the backward's last glue segment (NOTE [The step a loop repeats])
+        recorder.begin("bwd", None)
+        loop.optimizer.step()
     recorder.finish()
 
 
-def _resting(model: nn.Module, inputs: Any) -> list:
-    return [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs)]
+def _resting(model: nn.Module, inputs: Any, loop: Loop = NO_LOOP) -> list:
+    return [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs),
+            *loop.resident(model)]
 
 
 def traced_step(
     model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None,
-    workspace: OpWorkspace | None = None,
+    workspace: OpWorkspace | None = None, loop: Loop = NO_LOOP,
 ) -> tuple[list[Segment], dict[str, tuple[int, int]], int, Ledger]:
     """Segments, block I/O bytes, the resting bytes, and the crossing storages and block recomputations
     (NOTE [Storages across blocks]) of one tracked step.
@@ -81,24 +87,25 @@ def traced_step(
     (NOTE [Peaks as the allocator counts them], NOTE [Clocks]); resting bytes are then
     what the allocator held at the start (library workspaces included).
     """
-    model.zero_grad(set_to_none=True)
+    loop.start(model)
     gc.collect()
     device = device_of(model, inputs)
     allocator = CudaAllocator(device) if device.type == "cuda" else None
-    tracker = StorageTracker(known=_resting(model, inputs))
+    tracker = StorageTracker(known=_resting(model, inputs, loop))
     recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace,
                                allocator=allocator, clock=clock_for(device))
     with recorder, tracker:
-        _run_step(model, inputs, loss_fn, recorder)
-    resting = allocator.base if allocator is not None else storage_bytes(_resting(model, inputs))
+        _run_step(model, inputs, loss_fn, recorder, loop)
+    resting = allocator.base if allocator is not None else storage_bytes(_resting(model, inputs, loop))
     return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
                                                            recorder.trajectories)
 
 
-def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str]) -> list[Segment]:
+def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str],
+                    loop: Loop) -> list[Segment]:
     recorder = SegmentRecorder(model, names, clock=clock_for(device_of(model, inputs)))
     with recorder:
-        _run_step(model, inputs, loss_fn, recorder)
+        _run_step(model, inputs, loss_fn, recorder, loop)
     return recorder.segments
 
 
@@ -189,9 +196,10 @@ def run_profile(
     policies: Sequence[str],
     warmup: int,
     repeat: int,
+    loop: Loop = NO_LOOP,
 ) -> Profile:
     """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
-    state = capture(model)
+    original, optimizer_state = capture(model), OptimizerSnapshot(loop.optimizer)
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
     phases = Phases()
@@ -199,7 +207,9 @@ def run_profile(
         try:
             if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
                 training_step(model, inputs, loss_fn)
-                state.restore()
+                original.restore()
+            loop.steady(model, inputs, loss_fn)  # NOTE [The step a loop repeats]: every step starts from here
+            state = capture(model)
             traced: dict[str, list[Segment]] = {}
             io_bytes: dict[str, tuple[int, int]] = {}
             resting: dict[str, int] = {}
@@ -211,8 +221,8 @@ def run_profile(
                         learn_structure(model, inputs, loss_fn)
                     state.restore()
                 with phases.timing("traced"):
-                    traced[policy], io, resting[policy], crossings[policy] = traced_step(model, inputs, loss_fn,
-                                                                                         names)
+                    traced[policy], io, resting[policy], crossings[policy] = traced_step(
+                        model, inputs, loss_fn, names, loop=loop)
                 io_bytes = io_bytes or io
                 state.restore()
             traced = {p: traced[p] for p in policies}
@@ -227,7 +237,7 @@ def run_profile(
                 for policy in policies:  # interleaved, so drift hits every policy alike
                     switch.set(policy)
                     with phases.timing("warm-up" if i < untimed else "timed"):
-                        segs = _timed_segments(model, inputs, loss_fn, names)
+                        segs = _timed_segments(model, inputs, loss_fn, names, loop)
                     state.restore()
                     if i >= untimed:
                         if policy == "keep":
@@ -235,13 +245,14 @@ def run_profile(
                         for s in segs:
                             seconds[policy][s.key].append(s.seconds)
                             recompute[policy][s.key].append(s.recompute_s)
+            phases.log(statistics.median(keep_steps))
+            extra = resting["keep"] - storage_bytes(_resting(model, inputs, loop)) if cuda else 0
+            return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps,
+                             recompute=recompute, extra_resting=extra, crossings=crossings, loop=loop)
         finally:
             switch.restore()
-            state.restore()
-        phases.log(statistics.median(keep_steps))
-        extra = resting["keep"] - storage_bytes(_resting(model, inputs)) if cuda else 0
-        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps, recompute=recompute,
-                         extra_resting=extra, crossings=crossings)
+            original.restore()
+            optimizer_state.restore()
 
 
 def _assemble(
@@ -261,7 +272,17 @@ def _assemble(
     crossings: dict[str, Ledger] | None = None,
     extra_resting: int = 0,
     notes: Sequence[str] = (),
+    loop: Loop = NO_LOOP,
+    loop_bytes: tuple[int, int] | None = None,
 ) -> Profile:
+    """``loop_bytes``: (bytes the loop keeps alive, of which the optimizer's state), when the model no longer
+    holds them (a fake run's); else read from the model and ``loop`` now."""
+    if loop_bytes is None:
+        loop_bytes = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
+    if loop.describe():
+        notes = [*notes, f"the step includes {loop.describe()}: resting bytes include "
+                         f"{loop_bytes[0] / 2**20:.1f} MiB the loop keeps alive (NOTE [The step a loop repeats])."]
+
     def seconds_of(policy: str, seg: Segment) -> float:
         if fake:
             return seg.op_s
@@ -280,7 +301,7 @@ def _assemble(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
         blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
-        resting_bytes=storage_bytes(_resting(model, inputs)) + extra_resting,
+        resting_bytes=storage_bytes(_resting(model, inputs)) + loop_bytes[0] + extra_resting,
         param_bytes=storage_bytes(params),
         grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
         step_time_s=step_time,
@@ -294,6 +315,9 @@ def _assemble(
         fake=fake,
         target=target,
         notes=list(notes),
+        optimizer=None if loop.optimizer is None else type(loop.optimizer).__name__,
+        optimizer_bytes=loop_bytes[1],
+        accumulation_steps=loop.accumulation_steps,
     )
 
 

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from remat.core._loop import describe_loop
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, corrections
 from remat.profiling._format import human_bytes, load_versioned, render
@@ -92,7 +93,7 @@ class Profile:
     blocks: tuple[BlockProfile, ...]
     """The blocks, in execution order."""
     resting_bytes: int
-    """Parameters, buffers and inputs: alive for the whole step."""
+    """Parameters, buffers and inputs, and what the training loop keeps alive: alive for the whole step."""
     param_bytes: int
     """Bytes of all parameters."""
     grad_bytes: int
@@ -122,6 +123,12 @@ class Profile:
     """Where each block's recomputation ran in each policy's run, and what it added to live bytes."""
     parameters: int | None = None
     """Parameter elements of the profiled model: the plan's fingerprint of it (None in older profiles)."""
+    optimizer: str | None = None
+    """Class name of the optimizer stepped after each backward (NOTE [The step a loop repeats]); None: none."""
+    optimizer_bytes: int = 0
+    """Bytes of the optimizer's state, part of ``resting_bytes``."""
+    accumulation_steps: int = 1
+    """Backward passes per optimizer step; from 2 on, the gradients are part of ``resting_bytes``."""
 
     # -- the peak model --------------------------------------------------------
     def _check(self, assignment: Mapping[str, str] | Any | None) -> dict[str, str]:
@@ -181,6 +188,20 @@ class Profile:
         assignment = self._check(assignment)
         by_name = {b.name: b for b in self.blocks}
         return self.step_time_s + sum(by_name[n].extra_time_s[p] for n, p in assignment.items())
+
+    @property
+    def loop(self) -> str:
+        """What the profiled step holds beyond forward and backward (NOTE [The step a loop repeats]); "" if nothing."""
+        return describe_loop(self.optimizer, self.accumulation_steps)
+
+    def held_by_loop(self) -> str:
+        """For messages about floors: what of the resting bytes the training loop keeps alive ("" if nothing)."""
+        parts = [f"{self.optimizer}'s state {human_bytes(self.optimizer_bytes)}"] if self.optimizer else []
+        if self.accumulation_steps > 1:
+            parts.append(f"gradients {human_bytes(self.grad_bytes)} (accumulated over {self.accumulation_steps} "
+                         "backward passes)")
+        return (f" Of the resting {human_bytes(self.resting_bytes)}, the training loop keeps {' and '.join(parts)} "
+                "alive through every step: no checkpointing plan lowers that.") if parts else ""
 
     @property
     def baseline_peak_bytes(self) -> int:

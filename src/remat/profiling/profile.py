@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from remat.core._loop import Loop, make_loop
 from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import RematError
 from remat.profiling._types import Profile
@@ -27,6 +28,8 @@ def profile(
     fake: bool = False,
     target: Any = None,
     training: bool | None = True,
+    optimizer: Any = None,
+    accumulation_steps: int = 1,
 ) -> Profile:
     """Profile one training step of ``model`` on ``inputs`` under every policy.
 
@@ -54,6 +57,14 @@ def profile(
             eval models; dropout and BatchNorm change what blocks keep); ``False``
             profiles eval mode; ``None`` the model's modes as they are. The
             model's modes are restored afterwards.
+        optimizer: the ``torch.optim.Optimizer`` the loop steps after each backward:
+            its state (made by a step first) counts as resting memory and its step
+            as the backward's last segment, so plans hold in the running loop
+            (NOTE [The step a loop repeats]); its state is restored afterwards.
+        accumulation_steps: backward passes per optimizer step (gradient
+            accumulation; also 2 for loops that zero gradients with
+            ``set_to_none=False``): from 2 on, every gradient is alive through
+            the step.
     """
     from remat.profiling._blocks import find_blocks, suggest_blocks
     from remat.profiling._profile_run import validate_policies
@@ -70,6 +81,7 @@ def profile(
             f"children); pass blocks=[...] with the module names to consider{suggest_blocks(model)}."
         )
     policies = validate_policies(policies)
+    loop = make_loop(model, optimizer, accumulation_steps, "remat.profile")
     if training is not None and not isinstance(training, bool):
         raise RematError(f"remat.profile: training must be True, False or None, got {training!r}.")
     if target is not None and not fake:
@@ -81,7 +93,7 @@ def profile(
         if training is not None:
             model.train(training)
         with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
-            prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target)
+            prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target, loop)
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -91,7 +103,7 @@ def profile(
 
 
 def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tuple[str, ...], warmup: int,
-         repeat: int, fake: bool, target: Any) -> Profile:
+         repeat: int, fake: bool, target: Any, loop: Loop) -> Profile:
     from remat.profiling._profile_run import run_profile
 
     if fake:
@@ -99,5 +111,6 @@ def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tupl
         from remat.profiling.targets import Target, get_target
 
         spec = target if isinstance(target, Target) else get_target(target or "cpu")
-        return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec)
-    return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat)
+        return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec, loop=loop)
+    return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat,
+                       loop=loop)
