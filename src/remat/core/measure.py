@@ -80,7 +80,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _resting_tensors(model: nn.Module, inputs: Any, loop: Loop) -> list[torch.Tensor]:
+def resting_tensors(model: nn.Module, inputs: Any, loop: Loop = NO_LOOP) -> list[torch.Tensor]:
+    """What is alive before a step: parameters, buffers, inputs, and what ``loop`` keeps between steps."""
     tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs)]
     return tensors + loop.resident(model)
 
@@ -107,16 +108,16 @@ def measure_peak(
         loss = step()
         _sync(device)
         return torch.cuda.max_memory_allocated(device), resting, float(loss)
-    resting_tensors = _resting_tensors(model, inputs, loop)
+    known = resting_tensors(model, inputs, loop)
     if allocator:
         step_peak, loss = allocator_peak(step)
-        resting = storage_bytes(resting_tensors)
+        resting = storage_bytes(known)
         return resting + step_peak, resting, float(loss)
-    tracker = StorageTracker(known=resting_tensors)
+    tracker = StorageTracker(known=known)
     with tracker:
         loss = step()
     # ``discovered``: resting storages that are not the model's, such as DDP's gradient buckets.
-    resting = storage_bytes(resting_tensors) + tracker.discovered
+    resting = storage_bytes(known) + tracker.discovered
     return resting + tracker.peak, resting, float(loss)
 
 

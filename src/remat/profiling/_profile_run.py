@@ -16,11 +16,11 @@ from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture
-from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
+from remat.core._step import LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, forget_structure, wrap
-from remat.core.measure import device_of
+from remat.core.measure import device_of, resting_tensors
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._schedule import Phases, learn_structure, trace_schedule, young_collections
@@ -71,11 +71,6 @@ def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: S
     recorder.finish()
 
 
-def _resting(model: nn.Module, inputs: Any, loop: Loop = NO_LOOP) -> list:
-    return [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs),
-            *loop.resident(model)]
-
-
 def traced_step(
     model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None,
     workspace: OpWorkspace | None = None, loop: Loop = NO_LOOP,
@@ -91,12 +86,12 @@ def traced_step(
     gc.collect()
     device = device_of(model, inputs)
     allocator = CudaAllocator(device) if device.type == "cuda" else None
-    tracker = StorageTracker(known=_resting(model, inputs, loop))
+    tracker = StorageTracker(known=resting_tensors(model, inputs, loop))
     recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace,
                                allocator=allocator, clock=clock_for(device))
     with recorder, tracker:
         _run_step(model, inputs, loss_fn, recorder, loop)
-    resting = allocator.base if allocator is not None else storage_bytes(_resting(model, inputs, loop))
+    resting = allocator.base if allocator is not None else storage_bytes(resting_tensors(model, inputs, loop))
     return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
                                                            recorder.trajectories)
 
@@ -246,7 +241,7 @@ def run_profile(
                             seconds[policy][s.key].append(s.seconds)
                             recompute[policy][s.key].append(s.recompute_s)
             phases.log(statistics.median(keep_steps))
-            extra = resting["keep"] - storage_bytes(_resting(model, inputs, loop)) if cuda else 0
+            extra = resting["keep"] - storage_bytes(resting_tensors(model, inputs, loop)) if cuda else 0
             return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps,
                              recompute=recompute, extra_resting=extra, crossings=crossings, loop=loop)
         finally:
@@ -301,7 +296,7 @@ def _assemble(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
         blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
-        resting_bytes=storage_bytes(_resting(model, inputs)) + loop_bytes[0] + extra_resting,
+        resting_bytes=storage_bytes(resting_tensors(model, inputs)) + loop_bytes[0] + extra_resting,
         param_bytes=storage_bytes(params),
         grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
         step_time_s=step_time,
