@@ -204,7 +204,7 @@ def run_profile(
                 training_step(model, inputs, loss_fn)
                 original.restore()
             loop.steady(model, inputs, loss_fn)  # NOTE [The step a loop repeats]: every step starts from here
-            state = capture(model)
+            state = original if loop == NO_LOOP else capture(model)  # a second snapshot only if steady changed it
             traced: dict[str, list[Segment]] = {}
             io_bytes: dict[str, tuple[int, int]] = {}
             resting: dict[str, int] = {}
