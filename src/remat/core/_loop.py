@@ -133,7 +133,8 @@ class OptimizerSnapshot:
 
     def restore(self) -> None:
         if self.optimizer is not None:
-            # load_state_dict moves the state back to each parameter's device and dtype
+            # load_state_dict moves the state back to each parameter's device and dtype; on the CPU it keeps the
+            # tensors it is given, which the next step updates in place: hand it copies, not the snapshot
             self.optimizer.load_state_dict(tree_map(_to_cpu, self.saved))
 
 
