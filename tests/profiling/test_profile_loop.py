@@ -86,3 +86,22 @@ def test_saved_profiles_keep_the_loop(profiled):
     again = remat.Profile.from_json(prof.to_json())
     assert (again.optimizer, again.optimizer_bytes, again.accumulation_steps) == ("SGD", prof.optimizer_bytes, 4)
     assert again.predict_peak({}) == prof.predict_peak({})
+
+
+def test_the_optimizers_step_is_a_segment_and_can_set_the_peak():
+    """Wide layers, a tiny batch: AdamW's step (foreach temporaries beside every gradient) is the step's peak,
+    which a profile without it would miss under every plan."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(4)])
+    x = torch.randn(2, 256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = remat.profile(model, x, optimizer=optimizer, warmup=0, repeat=1)
+    for assignment in ({}, {b.name: "full" for b in prof.blocks}):
+        timeline = prof.timeline(assignment)
+        assert max(top for _, _, top in timeline) == timeline[-1][2] > max(top for _, _, top in timeline[:-1])
+        remat.apply(model, remat.Plan(assignment={b.name: assignment.get(b.name, "keep") for b in prof.blocks},
+                                      predicted_peak_bytes=0, predicted_overhead=0.0, baseline_peak_bytes=0,
+                                      min_peak_bytes=0, budget_bytes=None, strategy="hand", model="Sequential"))
+        measured = remat.measure(model, x, optimizer=optimizer, warmup=0, repeat=1).peak_bytes
+        remat.remove(model)
+        assert measured == prof.predict_peak(assignment)

@@ -59,10 +59,12 @@ def training_step(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     before_backward: Callable[[], None] | None = None,
+    before_optimizer_step: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Forward, loss, backward (and ``optimizer.step()`` when given). Returns the detached loss.
 
-    ``before_backward`` runs between the loss and ``backward()`` (the profiler's phase marker).
+    ``before_backward`` runs between the loss and ``backward()``, ``before_optimizer_step`` between
+    ``backward()`` and ``optimizer.step()`` (the profiler's segment markers).
     """
     loss = compute_loss(call_model(model, inputs), loss_fn)
     if not loss.requires_grad:
@@ -74,6 +76,8 @@ def training_step(
         before_backward()
     loss.backward()
     if optimizer is not None:
+        if before_optimizer_step is not None:
+            before_optimizer_step()
         optimizer.step()
     return loss.detach()
 

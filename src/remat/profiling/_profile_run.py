@@ -64,10 +64,9 @@ def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: S
               loop: Loop = NO_LOOP) -> None:
     loop.start(model)
     recorder.begin("fwd", None)
-    training_step(model, inputs, loss_fn, before_backward=lambda: recorder.begin("bwd", None))
-    if loop.optimizer is not None:  # the backward's last glue segment (NOTE [The step a loop repeats])
-        recorder.begin("bwd", None)
-        loop.optimizer.step()
+    # the optimizer's step is the backward's last glue segment (NOTE [The step a loop repeats])
+    training_step(model, inputs, loss_fn, loop.optimizer, before_backward=lambda: recorder.begin("bwd", None),
+                  before_optimizer_step=lambda: recorder.begin("bwd", None))
     recorder.finish()
 
 
