@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.planning import _verify as verify_module
 from remat.planning import apply as apply_module
 from remat.planning._nested import Costs, Node, extra_time, simulate, solve_nested
 from remat.planning._nested_plan import lowest_nested
@@ -106,9 +108,9 @@ def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan)  # every plan but the lowest-peak one measures over the budget
-        return floor if plan.predicted_peak_bytes == floor else budget + 1
+        return (floor if plan.predicted_peak_bytes == floor else budget + 1), None
 
-    monkeypatch.setattr(apply_module, "_measured", measured)
+    monkeypatch.setattr(verify_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
     plan = remat.auto(model, x, budget)
     remat.remove(model)
@@ -117,7 +119,7 @@ def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
 
 
 class _Scaled(nn.Sequential):
-    """A conv chain whose parent scales every block's output: the profile sees a chain, a segment cannot run."""
+    """A conv chain whose parent scales every block's output: a segment would hand on unscaled outputs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for module in self:
@@ -125,24 +127,49 @@ class _Scaled(nn.Sequential):
         return x
 
 
-def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch):
+class _ByKeyword(nn.Sequential):
+    """A conv chain whose parent passes each output by keyword: the profile sees a chain, a segment cannot run."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self:
+            x = module(input=x)
+        return x
+
+
+def test_a_parent_that_reads_block_outputs_gets_no_nested_plan():
     torch.manual_seed(0)
     model, x = _Scaled(*conv_chain()), torch.randn(2, 3, 16, 16)
     prof = remat.profile(model, x, repeat=1, warmup=0)
+    assert prof.unchained == tuple(b.name for b in prof.blocks[:-1])  # the last block's output is the model's
+    lowest = remat.plan(prof, strategy="none")
+    assert lowest.min_peak_bytes == remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    assert remat.Profile.from_json(prof.to_json()).unchained == prof.unchained
+
+
+def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch, caplog):
+    torch.manual_seed(0)
+    model, x = _ByKeyword(*conv_chain()), torch.randn(2, 3, 16, 16)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
     one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     assert remat.plan(prof, strategy="none").min_peak_bytes < one_level  # auto's last resort is nested
-    real, seen = apply_module._measured, []
+    real, seen = verify_module._measured, []
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.segments)  # plans above the one-level floor measure 1 MiB over: only the lowest is left
-        return real(model, inputs, loss_fn, plan, backend, loop) + (2**20 if plan.predicted_peak_bytes > one_level else 0)
+        peak, summary = real(model, inputs, loss_fn, plan, backend, loop)
+        return peak + (2**20 if plan.predicted_peak_bytes > one_level else 0), summary
 
-    monkeypatch.setattr(apply_module, "_measured", measured)
+    monkeypatch.setattr(verify_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
-    plan = remat.auto(model, x, (one_level + prof.baseline_peak_bytes) // 2)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        plan = remat.auto(model, x, (one_level + prof.baseline_peak_bytes) // 2)
+    # Said once, in remat's words: the model did nothing wrong (no "fix the error", no internal traceback).
+    said = [r for r in caplog.records if "one level deep" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO and "fix the error" not in said[0].getMessage()
     try:
         assert any(seen) and plan.segments == () and plan.measured_peak_bytes == one_level
-        assert "planned one level deep" in plan.notes[-2] and "lowest-peak plan fits" in plan.notes[-1]
+        assert any("keyword arguments only" in n and "planned one level deep" in n for n in plan.notes)
+        assert any("lowest-peak plan fits" in n for n in plan.notes)
     finally:
         remat.remove(model)
     assert not any("forward" in m.__dict__ for m in model.modules())

@@ -31,7 +31,19 @@ from torch import nn
 from remat.core.checkpoint import checkpoint
 from remat.errors import RematError
 
-__all__ = ["schedule_segments", "unschedule"]
+__all__ = ["NotAChain", "schedule_segments", "unschedule"]
+
+
+class NotAChain(RematError):
+    """The parent does not call a nested segment's blocks as a chain; the segment cannot run as one region."""
+
+
+def _version(value: Any) -> int | None:
+    return value._version if isinstance(value, torch.Tensor) else None
+
+
+def _same(value: Any, seen: Any, version: int | None) -> bool:
+    return value is seen and _version(value) == version
 
 
 def _compute(module: nn.Module) -> Any:
@@ -71,15 +83,22 @@ class _Head:
         self.previous = module.__dict__.get("forward")
         self.run = run
         self.names = names
-        self.last: tuple[Any, tuple, dict] | None = None
+        self.last: tuple[Any, int | None, tuple, dict, list[int | None]] | None = None
 
-    def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not args:
+            raise NotAChain(
+                f"remat.apply: the parent calls block {self.names[0]} with keyword arguments only, so remat cannot "
+                f"tell which one is the previous block's output, and cannot run {self.names[0]}..{self.names[-1]} "
+                "as one nested segment. Plan with remat.plan(profile, budget, nested=False) for this model."
+            )
+        x, rest = args[0], args[1:]
         out = checkpoint(self.run, x, *rest, **kwargs)
         try:
             ref: Any = weakref.ref(out)
         except TypeError:
             ref = lambda: out  # noqa: E731 (not weakly referenceable: a tuple)
-        self.last = (ref, rest, kwargs)
+        self.last = (ref, _version(out), rest, kwargs, [_version(v) for v in (*rest, *kwargs.values())])
         return out
 
 
@@ -92,18 +111,26 @@ class _Skip:
         self.head = head
         self.name = name
 
-    def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
-        last = self.head.last
-        same = last is not None and x is last[0]() and len(rest) == len(last[1]) and kwargs.keys() == last[2].keys()
-        same = same and all(a is b for a, b in zip(rest, last[1])) and all(kwargs[k] is last[2][k] for k in kwargs)
-        if not same:
-            raise RematError(
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._is_chained(args, kwargs):
+            raise NotAChain(
                 f"remat.apply: block {self.name} sits in a nested segment {self.head.names[0]}..{self.head.names[-1]} "
                 "but its parent did not call it with the previous block's output and the same other arguments, "
+                "unchanged (NOTE [Unchanged means the same version]: no in-place write between the blocks), "
                 "so the blocks are not a chain remat can run as one region. Plan with "
                 "remat.plan(profile, budget, nested=False) for this model."
             )
-        return x
+        return args[0]
+
+    def _is_chained(self, args: tuple, kwargs: dict) -> bool:
+        last = self.head.last
+        if last is None or not args:
+            return False
+        ref, version, rest, their_kwargs, versions = last
+        if not _same(args[0], ref(), version) or len(args) - 1 != len(rest) or kwargs.keys() != their_kwargs.keys():
+            return False
+        given, seen = (*args[1:], *(kwargs[k] for k in their_kwargs)), (*rest, *their_kwargs.values())
+        return all(_same(a, b, v) for a, b, v in zip(given, seen, versions))
 
 
 def _items(modules: list[nn.Module], spans: list[tuple[int, int]], lo: int, hi: int) -> list[Any]:

@@ -31,6 +31,15 @@ take 0.16 + 0.04 s for 24 blocks, 0.7 + 0.3 s for 48, 1.2 + 0.7 s for 64, 4.9 + 
 0.36 + 0.45, 1.6 + 1.5, 3.5 + 5.9 s, 128 not tried): nested plans are made for chains of at most
 ``MAX_BLOCKS`` blocks (the tables then hold about 170 MB), and by ``remat.plan`` only below the
 one-level floor.
+
+NOTE [What the parent does with a block's output]
+A segment hands the parent, for each of its blocks but the last, the segment's output
+(``remat.core._segment``): right only when the parent does nothing with a block's
+output but pass it to the next block. Reading it (``hidden.append(x)`` summed into a
+loss, ``x += bias``, a skip added after two blocks) would read the wrong values, and
+nothing at run time can see a read. The profile can: its run without checkpointing
+records every forward op that reads a block's output outside the next block
+(``Profile.unchained``). Where there is any, the model gets no nested plans.
 """
 
 from __future__ import annotations
@@ -287,7 +296,8 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
 def costs_of(profile: Profile) -> Costs | None:
     """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
     ch = chain_of(profile)
-    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
+    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS or set(profile.unchained) & set(
+            ch.blocks[:-1]):
         return None
     by_name = {b.name: b for b in profile.blocks}
     out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)

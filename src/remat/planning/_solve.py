@@ -196,3 +196,23 @@ def solve(chain: Chain, budget: float, *, minimise_peak: bool = False) -> tuple[
                 cell -= int(shifts[k, picks[k]])
             best = (picks, found)
     return best
+
+
+def relax(profile: Profile, assignment: dict[str, str], limit: int) -> dict[str, str]:
+    """``assignment`` with every block kept whose checkpointing the exact peak model shows is not needed.
+
+    NOTE [Rounding never costs time]
+    The DP rounds live bytes up, so a plan with less slack than its rounding (keeping
+    every block at a budget of exactly the peak without checkpointing) looks over the
+    budget to it and it checkpoints a block for nothing. Each checkpointed block, the
+    costliest first, is tried kept with the exact peak model; kept where the plan still fits.
+    """
+    by_name = {b.name: b for b in profile.blocks}
+    current = dict(assignment)
+    for name in sorted(current, key=lambda n: -by_name[n].extra_time_s.get(current[n], 0.0)):
+        if current[name] == "keep":
+            continue
+        trial = {**current, name: "keep"}
+        if profile.predict_peak(trial) <= limit and profile.predict_time(trial) <= profile.predict_time(current):
+            current = trial
+    return current

@@ -12,7 +12,7 @@ from typing import Any
 from remat.errors import RematError
 from remat.planning._plan_checks import check_plan_fields
 from remat.planning._nested_plan import nested_floor, plan_nested
-from remat.planning._solve import cast_credits, chain_of, solve
+from remat.planning._solve import cast_credits, chain_of, relax, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
@@ -365,7 +365,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
         # Rounding refuses budgets within a grid cell per block of the minimum; the
         # lowest-peak plan fits them by definition.
         assignment = lowest
-    return _make(profile, assignment, "optimal", limit, minimum)
+    return _make(profile, relax(profile, assignment, limit), "optimal", limit, minimum)
 
 
 def _lowest_peak(profile: Profile, one_level: int) -> int:

@@ -26,7 +26,7 @@ from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._schedule import Phases, learn_structure, trace_schedule, young_collections
 from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
 
-Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list]]
+Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list], dict[str, set]]
 """What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
@@ -92,7 +92,7 @@ def traced_step(
         _run_step(model, inputs, loss_fn, recorder, loop)
     resting = allocator.base if allocator is not None else storage_bytes(resting_tensors(model, inputs, loop))
     return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
-                                                           recorder.trajectories)
+                                                           recorder.trajectories, recorder.output_reads)
 
 
 def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str],
@@ -306,6 +306,7 @@ def _assemble(
         crossings=_crossings({p: ledger[0] for p, ledger in (crossings or {}).items()}),
         recomputes=_recomputes({p: ledger[1] for p, ledger in (crossings or {}).items()},
                                {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2}),
+        unchained=_unchained((crossings or {}).get("keep"), [s.block for s in keep if s.phase == "fwd" and s.block]),
         fake=fake,
         target=target,
         notes=list(notes),
@@ -313,6 +314,16 @@ def _assemble(
         optimizer_bytes=loop_bytes[1],
         accumulation_steps=loop.accumulation_steps,
     )
+
+
+def _unchained(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
+    """Blocks whose output some forward op reads outside the next block (NOTE [What the parent does with a
+    block's output] in remat.planning._nested), from the run without checkpointing."""
+    if ledger is None or len(ledger) < 4:
+        return ()
+    reads = ledger[3]
+    following = dict(zip(fwd_blocks, fwd_blocks[1:]))
+    return tuple(b for b in dict.fromkeys(fwd_blocks) if reads.get(b, set()) - {following.get(b)})
 
 
 def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:

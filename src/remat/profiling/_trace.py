@@ -156,6 +156,11 @@ class SegmentRecorder:
         self._allocs, self._made_seen = 0, 0
         self._rebuilt: dict[int, dict[str, Any]] = {}
         """Storages a recomputation made, still live after it, by key -> its record (freed later in the segment?)."""
+        self._outputs: dict[int, str] = {}
+        """Storages of block outputs still alive in the forward -> the block that returned them."""
+        self.output_reads: dict[str, set[str | None]] = {}
+        """Per block: the other forward segments (block, or None for the parent's code) whose ops read its
+        output (NOTE [What the parent does with a block's output] in remat.planning._nested)."""
         self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
         self._casts: dict[int, Segment] = {}
         if tracker is not None:
@@ -193,6 +198,7 @@ class SegmentRecorder:
             seg.max_live = max(seg.max_live, live)
 
     def _on_free(self, key: int, nbytes: int) -> None:
+        self._outputs.pop(key, None)
         self._cast_freed(key, nbytes)
         self._crossing_freed(key)
         record = self._rebuilt.pop(key, None)
@@ -320,6 +326,8 @@ class SegmentRecorder:
                 self._casts[st._cdata] = seg
         elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None and not in_bookkeeping():
             self._note_made(seg, out)
+        if seg.phase == "fwd" and self._outputs:
+            self._note_reads(seg.block, (args, kwargs))
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops
@@ -328,6 +336,13 @@ class SegmentRecorder:
         seg.op_s += seconds
         if func in SAVE_OPS:
             seg.save_op_s += seconds
+
+    def _note_reads(self, reader: str | None, args: Any) -> None:
+        for t in tensors_in(args):
+            for st in storages(t):
+                producer = self._outputs.get(st._cdata)
+                if producer is not None and producer != reader:
+                    self.output_reads.setdefault(producer, set()).add(reader)
 
     # -- hooks -----------------------------------------------------------------
     def _pre_hook(self, name: str) -> Callable:
@@ -344,6 +359,8 @@ class SegmentRecorder:
             occurrence = self._current.occurrence if self._current is not None else 0
             outs = tensors_in(output)
             self._note_outputs(name, occurrence, output)
+            if self.tracker is not None:
+                self._outputs.update((st._cdata, name) for t in outs for st in storages(t))
             self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs))
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)

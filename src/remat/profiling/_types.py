@@ -121,6 +121,9 @@ class Profile:
     (NOTE [Storages across blocks] in ``remat.profiling._crossing``)."""
     recomputes: list[Recompute] = field(default_factory=list)
     """Where each block's recomputation ran in each policy's run, and what it added to live bytes."""
+    unchained: tuple[str, ...] = ()
+    """Blocks whose output the forward reads other than as the next block's input (no nested segment runs
+    past them: NOTE [What the parent does with a block's output] in remat.planning._nested)."""
     parameters: int | None = None
     """Parameter elements of the profiled model: the plan's fingerprint of it (None in older profiles)."""
     optimizer: str | None = None
@@ -235,6 +238,7 @@ class Profile:
         data["segments"] = {p: {tuple(k): SegmentCost(**c) for k, c in segs} for p, segs in data["segments"].items()}
         data["crossings"] = [Crossing.from_json(c) for c in data.get("crossings", [])]
         data["recomputes"] = [Recompute.from_json(r) for r in data.get("recomputes", [])]
+        data["unchained"] = tuple(data.get("unchained", ()))
         return cls(**data)
 
 

@@ -1,0 +1,101 @@
+"""What a training step computed, in a few numbers per tensor: to tell two steps apart without keeping either.
+
+NOTE [Comparing steps without keeping them]
+``remat.auto`` checks that a plan trains the same function as the model without
+checkpointing: the same loss, every gradient and every buffer after the step. Keeping
+the reference step's gradients would cost a copy of the parameters (host memory on a
+large model, and a device-to-host copy of all of them), so each tensor is summarised
+on its own device instead: an integer digest of its bits (equal bits give equal
+digests; a changed element changes it unless two changes cancel in both sums, which
+no real difference does), and its float64 sum and sum of squares. Bit-equal steps have
+equal digests. Where kernels are not deterministic (atomics in CUDA backward kernels
+reorder sums), two correct steps differ in the last bits: there the sums are compared
+within a tolerance of the tensor's magnitude.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Fingerprint", "fingerprint"]
+
+#: Elements summarised at a time, so that the int64 copies stay small beside the tensor.
+_CHUNK = 1 << 22
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Relative tolerance of the sums where kernels are not deterministic, by element size.
+_RTOL = {1: 1e-2, 2: 1e-2, 4: 1e-4, 8: 1e-8}
+
+
+@dataclass(frozen=True)
+class _Summary:
+    digest: tuple[int, int]
+    total: float
+    squares: float
+    magnitude: float
+    element_size: int
+
+    def close_to(self, other: _Summary) -> bool:
+        rtol = _RTOL.get(self.element_size, 1e-4)
+        return (abs(self.total - other.total) <= rtol * self.magnitude + 1e-12
+                and abs(self.squares - other.squares) <= rtol * self.squares + 1e-12)
+
+
+def _summarise(t: torch.Tensor) -> _Summary:
+    flat = t.detach().reshape(-1)
+    bits_dtype = _BITS.get(flat.element_size())
+    first = second = 0
+    total = squares = magnitude = 0.0
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start:start + _CHUNK]
+        if bits_dtype is not None and not chunk.is_complex():
+            bits = chunk.contiguous().view(bits_dtype).to(torch.int64)
+            weights = torch.arange(start, start + bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+            first += int(bits.sum())
+            second += int((bits * weights).sum())
+        values = chunk.to(torch.float64) if chunk.is_floating_point() else chunk.double()
+        total += float(values.sum())
+        squares += float(values.square().sum())
+        magnitude += float(values.abs().sum())
+    return _Summary((first, second), total, squares, magnitude, flat.element_size())
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A step's loss, gradients and buffers, summarised (NOTE [Comparing steps without keeping them])."""
+
+    loss: float
+    tensors: dict[str, _Summary | None]
+    """Per parameter's gradient (``grad:name``, None: no gradient) and buffer (``buffer:name``)."""
+
+    def differences(self, other: Fingerprint, *, exact: bool) -> list[str]:
+        """Names whose summaries differ (``exact``: bit for bit; else within the tolerance); ``loss`` first."""
+        out = []
+        for name in self.tensors.keys() | other.tensors.keys():
+            a, b = self.tensors.get(name), other.tensors.get(name)
+            if (a is None) != (b is None):
+                out.append(name)
+            elif a is not None and b is not None and a.digest != b.digest and (exact or not a.close_to(b)):
+                out.append(name)
+        return ([] if _same_loss(self.loss, other.loss, exact) else ["loss"]) + sorted(out)
+
+
+def _same_loss(a: float, b: float, exact: bool) -> bool:
+    if exact or a != a or b != b:
+        return a == b
+    return abs(a - b) <= 1e-4 * max(abs(a), abs(b)) + 1e-12
+
+
+def fingerprint(model: nn.Module, loss: float) -> Fingerprint:
+    """Summarise what the step just run on ``model`` left: its loss, every gradient, every buffer."""
+    tensors: dict[str, _Summary | None] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                tensors[f"grad:{name}"] = None if p.grad is None else _summarise(p.grad)
+        for name, b in model.named_buffers():
+            if b is not None:
+                tensors[f"buffer:{name}"] = _summarise(b)
+    return Fingerprint(float(loss), tensors)

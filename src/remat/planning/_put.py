@@ -1,0 +1,51 @@
+"""Putting a plan's checkpointing on a model and taking it off again: all or nothing."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from remat.core._compiled import eager_module
+from remat.core._conflicts import check_no_double_checkpointing
+from remat.core._fine import FINE, unwrap_fine, wrap_fine
+from remat.core._hf import disable_cache, restore_cache
+from remat.core._segment import schedule_segments, unschedule
+from remat.core.checkpoint import unwrap, wrap
+from remat.planning._plan_checks import check_plan_fits
+from remat.planning.plan import Plan
+
+__all__ = ["put", "remove"]
+
+
+def put(model: nn.Module, plan: Plan) -> None:
+    """Checkpoint ``model``'s blocks as ``plan`` says; on any failure (an interrupt too) nothing stays on."""
+    check_plan_fits(model, plan)
+    modules = dict(model.named_modules())
+    check_no_double_checkpointing(model, plan.checkpointed, api="remat.apply")
+    for module in model.modules():
+        unschedule(module)
+    done: list[nn.Module] = []
+    try:
+        for name, policy in plan.assignment.items():
+            done.append(modules[name])
+            unwrap_fine(modules[name])
+            if policy == FINE:
+                wrap_fine(modules[name])
+            elif policy != "keep":
+                wrap(modules[name], policy=policy)
+        schedule_segments(model, list(plan.assignment), plan.segments)
+    except BaseException:
+        for module in done:
+            unschedule(module)
+            unwrap_fine(module)
+        raise
+    if plan.checkpointed:
+        disable_cache(model)
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
+    for module in eager_module(model).modules():
+        unschedule(module)
+        unwrap(module)
+    restore_cache(model)
+    return model

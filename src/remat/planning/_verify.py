@@ -1,0 +1,276 @@
+"""What ``remat.auto`` verifies with real steps: a plan's measured peak, and that it trains the same function.
+
+NOTE [Verify when it can]
+The peak model is exact on chains of blocks; data flow it does not follow (a
+block's output used by the loss, tensors shared by every block) can make a plan
+peak higher than predicted. With ``verify`` (the default, real tensors only),
+auto measures one real step with the plan applied. Over the budget, it re-plans
+with the measured error as a margin (at most ``REPLANS`` times), then tries the
+lowest-peak plan; if none fits, it removes the plan and raises a RematError with
+the measured numbers. ``plan.measured_peak_bytes`` holds the figure; fake-tensor
+plans are not measured (``plan.verified`` is False).
+
+NOTE [A verified plan trains the same function]
+A plan can fit its budget and still compute something else: a nested segment runs
+its blocks as one region, which is another function when the parent does more
+between the blocks than hand each output to the next. The segment refuses what it
+can see (``remat.core._segment``); for the rest, every eager step auto verifies is
+compared with the step without checkpointing, from the same state: the loss, every
+gradient and every buffer after the step (``remat.core._fingerprint``; bit for bit on
+the CPU or with deterministic algorithms, within a tolerance elsewhere). A nested
+plan that differs is replaced by its one-level twin; a one-level plan that differs is
+refused with a RematError naming the blocks whose gradients differ. The plan's notes
+say what was compared.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core._fingerprint import Fingerprint, fingerprint
+from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
+from remat.core._segment import NotAChain
+from remat.core._state import capture
+from remat.core._user_errors import model_errors
+from remat.core.measure import compiled_peak, device_of, measure_peak
+from remat.errors import RematError
+from remat.planning._compiled import chain_profile, design, fit, is_chain
+from remat.planning._put import put, remove
+from remat.planning.plan import Plan, parse_budget, plan as make_plan
+from remat.profiling._format import human_bytes
+
+__all__ = ["Findings", "Unreachable", "verified_plan"]
+
+log = logging.getLogger("remat")
+
+#: Re-plans ``auto`` makes with a measured margin before it gives up.
+REPLANS = 2
+
+
+class Unreachable(RematError):
+    """No plan on this profile reaches the budget (predicted, or measured by auto's verification)."""
+
+
+@dataclass
+class Findings:
+    """What auto's verification learned about the model, kept across the profiles of one ``auto`` call."""
+
+    nested: bool = True
+    """False once nested segments were found not to run, or not to compute the same, on this model."""
+    reference: Fingerprint | None = None
+    """The step without checkpointing, summarised (NOTE [A verified plan trains the same function])."""
+    notes: list[str] = field(default_factory=list)
+    """What was found, for the plan's notes."""
+
+
+def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None,
+              loop: Loop = NO_LOOP) -> tuple[int, Fingerprint | None]:
+    """(peak, summary of what the step computed) of one real step of ``loop`` with ``plan`` applied, in the
+    plan's mode (compiled with ``backend`` if given, then without a summary); model and optimizer restored."""
+    put(model, plan)
+    state, optimizer_state = capture(model), OptimizerSnapshot(loop.optimizer)
+    try:
+        if plan.training is not None:
+            model.train(plan.training)
+        with model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
+            if backend is not None:
+                return compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop), None
+            peak, _, loss = measure_peak(model, inputs, loss_fn, loop)
+            return peak, fingerprint(model, loss)
+    finally:
+        state.restore()
+        optimizer_state.restore()
+
+
+def _blocks_of(names: list[str], blocks: list[str]) -> list[str]:
+    """The blocks that own the parameters and buffers in ``names`` (``grad:blocks.3.fc.weight`` -> blocks.3)."""
+    owners = []
+    for name in names:
+        path = name.partition(":")[2]
+        owner = max((b for b in blocks if path.startswith(b + ".")), key=len, default=None)
+        if owner is not None and owner not in owners:
+            owners.append(owner)
+    return owners
+
+
+class _Candidates:
+    """Plans for ``auto`` to measure, nested while the model runs nested segments.
+
+    NOTE [Nested plans on models that are not chains]
+    The profile sees a chain of blocks wherever their segments follow one another, but a
+    nested segment also needs each block's output to be the next block's only input from
+    the parent, unchanged (``remat.core._segment``); the parent's code is only seen when
+    the plan runs. When a candidate with segments raises for that reason, or computes
+    another function (NOTE [A verified plan trains the same function]), auto plans one
+    level deep from then on (the one-level plan for the same budget), and says so in the notes.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str | None,
+                 findings: Findings, loop: Loop) -> None:
+        self.model, self.inputs, self.loss_fn, self.prof, self.backend = model, inputs, loss_fn, prof, backend
+        self.loop = loop
+        self.findings = findings
+        self.tried: list[tuple[Plan, int]] = []
+
+    @property
+    def nested(self) -> bool:
+        return self.findings.nested
+
+    def plan(self, budget: int) -> Plan:
+        return make_plan(self.prof, budget, nested=self.nested)
+
+    def lowest(self) -> Plan:
+        """The plan at the lowest peak any plan reaches (the nested floor while nesting)."""
+        return self.plan(make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes)
+
+    def measure(self, plan: Plan) -> tuple[Plan, int]:
+        """(the plan measured, its peak): ``plan``, or its one-level twin if its segments cannot run."""
+        same = [m for p, m in self.tried if (p.assignment, p.segments) == (plan.assignment, plan.segments)]
+        if same:
+            return plan, same[0]
+        try:
+            measured, summary = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend, self.loop)
+        except RematError as err:
+            if not plan.segments:
+                raise
+            reason = str(err) if isinstance(err, NotAChain) else f"a step with them failed: {err}"
+            return self._one_level(plan, f"Nested segments do not run on this model ({reason}); planned one level "
+                                         "deep.")
+        differ = self._differences(plan, summary)
+        if differ and plan.segments:
+            return self._one_level(plan, f"Nested segments {_spans(plan)} changed the step's {_what(differ)} "
+                                         "(the parent does more between the blocks than pass each output on): "
+                                         "planned one level deep.")
+        if differ:
+            blocks = _blocks_of(differ, [b.name for b in self.prof.blocks])
+            remove(self.model)
+            raise RematError(
+                f"remat.auto: with blocks {', '.join(sorted(plan.checkpointed))} checkpointed, the verified step's "
+                f"{_what(differ)} differed from the step without checkpointing (first: {differ[0]}"
+                f"{'; gradients of ' + ', '.join(blocks) if blocks else ''}), so the plan would train another "
+                "function. The model was left without checkpointing. Check these blocks for randomness torch's "
+                "generators do not drive, or Python state their forward changes, then call again; "
+                "remat.checkpoint(..., policy='keep') blocks you cannot change."
+            )
+        self.tried.append((plan, measured))
+        return plan, measured
+
+    def _one_level(self, plan: Plan, note: str) -> tuple[Plan, int]:
+        self.findings.nested = False
+        self.findings.notes.append(note)
+        log.info("remat.auto: %s", note)
+        try:
+            twin = self.plan(plan.budget_bytes)
+        except RematError:  # below the one-level minimum: its lowest-peak plan
+            twin = self.lowest()
+        return self.measure(twin)
+
+    def _differences(self, plan: Plan, summary: Fingerprint | None) -> list[str]:
+        if summary is None or not plan.checkpointed:
+            return []
+        reference = self.findings.reference
+        if reference is None:
+            keep = replace(plan, assignment={name: "keep" for name in plan.assignment}, segments=())
+            _, reference = _measured(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
+            self.findings.reference = reference
+        device = device_of(self.model, self.inputs)
+        exact = device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+        differ = [] if reference is None else reference.differences(summary, exact=exact)
+        if not differ:
+            same = "bit for bit" if exact else "within the tolerance of non-deterministic kernels"
+            note = f"Verified: loss, gradients and buffers equal the step without checkpointing ({same})."
+            if note not in self.findings.notes:
+                self.findings.notes.append(note)
+        return differ
+
+
+def _spans(plan: Plan) -> str:
+    return ", ".join(f"{a}..{b}" for a, b in plan.segments)
+
+
+def _what(differ: list[str]) -> str:
+    kinds = ["loss" if d == "loss" else d.partition(":")[0] + "s" for d in differ]
+    return " and ".join(dict.fromkeys(k.replace("grads", "gradients") for k in kinds))
+
+
+def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str,
+                      loop: Loop) -> tuple[Any, int, str]:
+    """(the profile to plan the compiled step with, its compiled peak without checkpointing, a note).
+
+    A chain of blocks gets the fitted compiled chain (NOTE [Predicting compiled peaks]); any other model
+    the eager profile, whose peaks the caller scales by the compiled / eager peak without checkpointing.
+    """
+    names = [b.name for b in prof.blocks]
+    keep = make_plan(prof, strategy="none", nested=False)
+
+    def measure(policies: tuple[str, ...]) -> int:
+        plan = replace(keep, assignment=dict(zip(names, policies, strict=True)))
+        return _measured(model, inputs, loss_fn, plan, backend, loop)[0]
+
+    baseline = measure(("keep",) * len(names))
+    if not is_chain(prof):
+        return prof, baseline, "Not a chain of blocks: eager predictions scaled by the compiled peak."
+    peaks = {a: measure(a) for a in design(prof.policies, len(names))}
+    chained = chain_profile(prof, fit(peaks, prof.resting_bytes), label=f"compiled ({backend})")
+    return chained, baseline, chained.notes[-1]
+
+
+def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
+                  loop: Loop, findings: Findings) -> Plan:
+    """The plan auto applies: measured within ``budget`` in a real step (NOTE [Verify when it can])."""
+    # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
+    baseline = prof.baseline_peak_bytes
+    notes: list[str] = []
+    scale = 1.0
+    if backend is not None:
+        eager_baseline = baseline
+        planned, baseline, note = _compiled_profile(model, inputs, loss_fn, prof, backend, loop)
+        notes += [f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
+                  f"{baseline / eager_baseline:.2f} of the eager peak.", note]
+        scale = 1.0 if planned is not prof else eager_baseline / baseline
+        prof = planned
+        findings.nested = False  # nested regions are not modelled (nor tested) under compile
+    execution = "eager" if backend is None else "compiled"
+    limit = parse_budget(budget, baseline)
+    candidates = _Candidates(model, inputs, loss_fn, prof, backend, findings, loop)
+
+    def accept(plan: Plan, measured: int) -> Plan:
+        put(model, plan)  # the last step measured may have been another plan's (the reference, a cached one)
+        return replace(plan, budget_bytes=limit, measured_peak_bytes=measured,
+                       notes=tuple(notes + findings.notes), execution=execution)
+
+    target, margin = limit, 0
+    for _ in range(REPLANS + 1):
+        try:
+            candidate = candidates.plan(int(target * scale))
+        except RematError:
+            break  # the margin leaves no plan: only the lowest-peak plan is left to try
+        candidate, measured = candidates.measure(candidate)
+        if measured <= limit:
+            return accept(candidate, measured)
+        predicted = int(candidate.predicted_peak_bytes / scale)
+        margin = max(margin, measured - predicted)
+        notes.append(
+            f"A plan predicted at {human_bytes(predicted)} measured "
+            f"{human_bytes(measured)}, over the budget: re-planned with a margin of {human_bytes(margin)}."
+        )
+        log.warning("remat.auto: %s", notes[-1])
+        target = limit - margin
+    # The lowest peak of any plan, nested ones included (remat.plan reaches its own min_peak_bytes).
+    lowest, measured = candidates.measure(candidates.lowest())
+    if measured <= limit:
+        notes.append("The lowest-peak plan fits the budget.")
+        return accept(lowest, measured)
+    remove(model)
+    raise Unreachable(
+        f"remat.auto: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the "
+        f"{human_bytes(baseline)} {execution} peak without checkpointing) cannot be met: the lowest-peak plan "
+        f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "
+        f"{human_bytes(int(lowest.predicted_peak_bytes / scale))}). Raise the budget to at least {measured} bytes, "
+        "or lower the batch size / sequence length." + prof.held_by_loop()
+    )

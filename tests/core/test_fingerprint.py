@@ -1,0 +1,58 @@
+"""A step's summary tells bit-equal steps from different ones, without keeping either."""
+
+import torch
+from torch import nn
+
+from remat.core._fingerprint import fingerprint
+
+
+def _stepped(model: nn.Module, x: torch.Tensor) -> float:
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.item()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+
+def test_equal_steps_have_equal_fingerprints():
+    model, x = _model(), torch.randn(5, 8)
+    a = fingerprint(model, _stepped(model, x))
+    b = fingerprint(model, _stepped(model, x))  # BatchNorm's running stats moved: buffers differ
+    assert a.differences(b, exact=True) == sorted(f"buffer:1.{n}" for n in ("num_batches_tracked", "running_mean",
+                                                                             "running_var"))
+    assert fingerprint(model, 1.0).differences(fingerprint(model, 1.0), exact=True) == []
+
+
+def test_one_ulp_in_one_gradient_differs_bit_for_bit_and_not_within_tolerance():
+    model, x = _model(), torch.randn(5, 8)
+    loss = _stepped(model, x)
+    before = fingerprint(model, loss)
+    grad = model[2].weight.grad
+    grad[1, 3] = torch.nextafter(grad[1, 3], torch.tensor(float("inf")))
+    after = fingerprint(model, loss)
+    assert before.differences(after, exact=True) == ["grad:2.weight"]
+    assert before.differences(after, exact=False) == []
+    grad[1, 3] += 1.0
+    assert fingerprint(model, loss).differences(before, exact=False) == ["grad:2.weight"]
+
+
+def test_a_missing_gradient_and_another_loss_differ():
+    model, x = _model(), torch.randn(5, 8)
+    loss = _stepped(model, x)
+    before = fingerprint(model, loss)
+    model[0].bias.grad = None
+    assert before.differences(fingerprint(model, loss + 1e-3), exact=True) == ["loss", "grad:0.bias"]
+
+
+def test_swapped_elements_differ():
+    # The digest weighs each element by its position: a permutation is a difference.
+    model, x = _model(), torch.randn(5, 8)
+    loss = _stepped(model, x)
+    before = fingerprint(model, loss)
+    w = model[2].weight.grad
+    w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+    assert before.differences(fingerprint(model, loss), exact=True) == ["grad:2.weight"]

@@ -1,0 +1,182 @@
+"""remat.auto's verification: a plan it applies fits its budget and trains the same function.
+
+NOTE [A verified plan trains the same function] in remat.planning._verify; the segments'
+own refusals in remat.core._segment, what the profile sees in remat.planning._nested.
+"""
+
+import copy
+import dataclasses
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core._segment import NotAChain
+from remat.planning import _verify as verify_module
+from remat.planning import apply as apply_module
+from remat.profiling import _profile_run
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class Offsets(nn.Module):
+    """The parent writes each block's output in place before the next block (``x += offset``)."""
+
+    def __init__(self, n: int = 8, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.offsets = nn.Parameter(torch.randn(n, d) * 0.1)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            x += self.offsets[i]
+        return self.head(x).logsumexp(-1).mean()
+
+
+class Collects(nn.Module):
+    """The parent sums every block's output into the loss (deep supervision, hidden states)."""
+
+    def __init__(self, n: int = 8, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        return self.head(x).logsumexp(-1).mean() + 0.1 * sum(h.mean() for h in hidden[:-1])
+
+
+class Noisy(Block):
+    """A block whose forward draws from Python's generator: its recomputation is another function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1.0 + random.random())
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(32, 32, 32)
+
+
+def _floors(prof: remat.Profile) -> tuple[int, int]:
+    """(the nested floor were the chain pure, the one-level floor)."""
+    pure = dataclasses.replace(prof, unchained=())
+    return (remat.plan(pure, strategy="none").min_peak_bytes,
+            remat.plan(prof, strategy="none", nested=False).min_peak_bytes)
+
+
+def _nested_plan(prof: remat.Profile, first: str, last: str) -> remat.Plan:
+    keep = remat.plan(prof, strategy="none", nested=False)
+    return dataclasses.replace(keep, assignment={**keep.assignment, last: "full"}, segments=((first, last),))
+
+
+def _untouched(model: nn.Module, before: dict) -> bool:
+    no_forward = not any("forward" in m.__dict__ for m in model.modules())
+    return no_forward and all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+
+
+def test_the_profile_sees_a_parent_that_writes_block_outputs_in_place():
+    torch.manual_seed(0)
+    model = Offsets()
+    prof = remat.profile(model, _x(), repeat=1, warmup=0)
+    assert prof.unchained == tuple(f"blocks.{i}" for i in range(7))
+    nested_floor, one_level = _floors(prof)
+    assert nested_floor < one_level  # a pure chain would nest; this one does not
+    assert remat.plan(prof, strategy="none").min_peak_bytes == one_level
+
+
+def test_a_segment_refuses_an_in_place_write_between_its_blocks():
+    torch.manual_seed(0)
+    model = Offsets()
+    prof = remat.profile(model, _x(), repeat=1, warmup=0)
+    remat.apply(model, _nested_plan(prof, "blocks.2", "blocks.5"))
+    try:
+        with pytest.raises(NotAChain, match="unchanged"):
+            model(_x())
+    finally:
+        remat.remove(model)
+
+
+def test_auto_refuses_a_budget_only_a_wrong_nested_plan_reaches():
+    # Below the one-level floor only a nested plan fits, and on this parent a segment
+    # computes another function: auto refuses instead of training it.
+    torch.manual_seed(0)
+    model, x = Offsets(), _x()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    nested_floor, one_level = _floors(prof)
+    with pytest.raises(remat.RematError, match="cannot be met"):
+        remat.auto(model, x, (nested_floor + one_level) // 2, repeat=1, warmup=0)
+    assert _untouched(model, before)
+
+
+def test_auto_compares_gradients_where_the_profile_missed_a_read(monkeypatch, caplog):
+    # The profile's view of the parent is the first guard; the gradient comparison is the last.
+    torch.manual_seed(0)
+    model, x = Collects(), _x()
+    monkeypatch.setattr(_profile_run, "_unchained", lambda *args: ())
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    nested_floor, one_level = _floors(prof)
+    assert nested_floor < one_level
+    monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
+    with caplog.at_level(logging.INFO, logger="remat"), pytest.raises(remat.RematError, match="cannot be met"):
+        remat.auto(model, x, (nested_floor + one_level) // 2)
+    assert any("changed the step's loss and gradients" in r.getMessage() for r in caplog.records)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_auto_refuses_a_one_level_plan_that_changes_the_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Noisy() for _ in range(4)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(remat.RematError, match=r"differed from the step without checkpointing .*gradients of") as err:
+        remat.auto(model, _x(), 0.6, repeat=1, warmup=0)
+    assert "left without checkpointing" in str(err.value)
+    assert _untouched(model, before)
+
+
+def test_a_verified_plan_says_what_was_compared_and_trains_the_same_function():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(6))), _x()
+    twin = copy.deepcopy(model)
+    plan = remat.auto(model, x, 0.5, repeat=1, warmup=0)
+    try:
+        assert plan.checkpointed and any("bit for bit" in n for n in plan.notes)
+        torch.manual_seed(1)
+        model(x).square().mean().backward()
+        torch.manual_seed(1)
+        twin(x).square().mean().backward()
+        for (n, a), (_, b) in zip(twin.named_parameters(), model.named_parameters()):
+            assert torch.equal(a.grad, b.grad), n
+    finally:
+        remat.remove(model)
+
+
+def test_an_interrupt_during_verification_leaves_the_model_unplanned(monkeypatch):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(4))), _x()
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_module, "measure_peak", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        remat.auto(model, x, 0.5)
+    assert _untouched(model, before)
