@@ -150,3 +150,21 @@ def tensor_parallel(model, mesh):
             parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(),
                                              "down": RowwiseParallel()})
     return model
+
+
+class ResidualMLP(nn.Module):
+    """``x + Linear(GELU(Linear(x)))``: a block of the chains the input-gradient tests plan."""
+
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+def residual_chain(depth=4, width=32, hidden=128, stem=False):
+    """An ``nn.Sequential`` of residual MLP blocks; ``stem``: a Linear before them (the input's gradient is then
+    made in glue, after the first block's backward)."""
+    blocks = nn.Sequential(*[ResidualMLP(width, hidden) for _ in range(depth)])
+    return nn.Sequential(nn.Linear(width, width), blocks) if stem else blocks

@@ -148,6 +148,50 @@ def test_measure_restores_even_when_the_step_raises():
     assert_state_equal(before, capture(model))
 
 
+def _first_step_peak(model, x):
+    """Peak of one step of a plain loop on a fresh copy of ``x``, counted by hand with the tracker."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    resting = [*model.parameters(), x]
+    with StorageTracker(known=resting) as t:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return storage_bytes(resting) + t.peak
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_every_measured_step_starts_with_the_input_gradient_as_given(warmup):
+    # The input's gradient is made at the end of backward, where it sets this model's peak: a gradient
+    # left on the input by an earlier step (alive, accumulated into) would have measured 4096 B more.
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(2)])
+    x = torch.randn(16, 64, requires_grad=True)
+    peak = _first_step_peak(model, x)
+    assert remat.measure(model, x, warmup=warmup, repeat=2).peak_bytes == peak
+    assert x.grad is None and x.requires_grad and x._version == 0
+    assert remat.measure(model, x.detach(), warmup=warmup, repeat=2).peak_bytes < peak  # it is counted
+
+
+def test_measure_leaves_a_gradient_the_input_holds_as_it_was():
+    model = _deep_mlp(depth=2, hidden=256)
+    x = torch.randn(16, 64, requires_grad=True)
+    held = x.grad = torch.randn_like(x)
+    values, version = held.clone(), held._version
+    m = remat.measure(model, x, warmup=1, repeat=2)
+    assert x.grad is held and torch.equal(held, values) and held._version == version
+    assert x._version == 0 and x.requires_grad
+    # alive through the step like the input (the step accumulates into it in place)
+    assert m.resting_bytes == storage_bytes([*model.parameters(), x, held])
+
+
+def test_an_input_with_a_graph_is_measured_without_backward_into_it():
+    # Each step backpropagates into a fresh leaf over the input's data: a second backward through the
+    # user's graph would raise, and the user's leaves would collect gradients.
+    model = _deep_mlp(depth=2, hidden=256)
+    w = torch.randn(16, 64, requires_grad=True)
+    x = torch.tanh(w)
+    remat.measure(model, x, warmup=1, repeat=2)
+    assert w.grad is None and x.grad_fn is not None
+
+
 def test_bad_arguments_raise_remat_error():
     with pytest.raises(remat.RematError, match="repeat >= 1"):
         remat.measure(nn.Linear(2, 2), torch.randn(1, 2), repeat=0)

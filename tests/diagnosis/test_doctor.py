@@ -462,6 +462,20 @@ def test_checkpointing_the_last_block_too_does_not_pay():
     assert [f.modules for f in report.findings] == [("3",)]  # backward starts there: nothing to free
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["no-grad", "held-grad"])
+def test_an_input_that_requires_grad_is_left_as_it_was(held):
+    model = _remat_blocks()
+    x = torch.randn(256, 32, requires_grad=True)
+    if held:
+        x.grad = torch.randn_like(x)
+    grad = x.grad
+    values = None if grad is None else grad.clone()
+    report = diagnose(model, x, measure_cost=True, warmup=1, repeat=1)
+    assert report.ok, [f.message for f in report.findings]
+    assert x.grad is grad and (grad is None or torch.equal(grad, values) and grad._version == 0)
+    assert x.requires_grad and x._version == 0
+
+
 def test_model_without_checkpointing_has_nothing_to_diagnose():
     report = diagnose(_mlp(2), torch.randn(4, 32), measure_cost=True)
     assert report.ok and report.checkpoints == () and report.reference is None

@@ -14,7 +14,7 @@ from remat.planning.plan import PLAN_SCHEMA
 from remat.planning._synthetic import synthetic_profile
 from remat.zoo import build
 
-from conftest import SMALL, assert_buffers_equal, assert_grads_equal, assert_state_equal, twin
+from conftest import SMALL, assert_buffers_equal, assert_grads_equal, assert_state_equal, residual_chain, twin
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +182,21 @@ def test_auto_applies_and_remove_restores(profiled):
     assert_buffers_equal(ref, zoo.model)
     remat.remove(zoo.model)
     assert not any(remat.is_wrapped(m) for m in zoo.model.modules())
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["no-grad", "held-grad"])
+def test_auto_on_an_input_that_requires_grad_verifies_exactly_and_leaves_it_as_it_was(held):
+    model = residual_chain()
+    x = torch.randn(16, 32, 32, requires_grad=True)
+    if held:
+        x.grad = torch.randn_like(x)
+    grad = x.grad
+    values = None if grad is None else grad.clone()
+    plan = remat.auto(model, x, 0.6, repeat=1, warmup=0)
+    assert plan.checkpointed and plan.measured_peak_bytes == plan.predicted_peak_bytes <= plan.budget_bytes
+    assert x.grad is grad and (grad is None or torch.equal(grad, values) and grad._version == 0)
+    assert remat.measure(model, x, repeat=1).peak_bytes == plan.predicted_peak_bytes
+    assert x.grad is grad and x.requires_grad and x._version == 0
 
 
 def test_autocast_plans_fit_and_credit_released_casts():

@@ -11,7 +11,7 @@ import remat
 from remat.core._state import capture
 from remat.profiling._blocks import find_blocks
 from remat.zoo import build
-from conftest import SMALL, assert_state_equal, measure_assignment
+from conftest import SMALL, assert_state_equal, measure_assignment, residual_chain
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,58 @@ def test_profile_restores_model_state_when_it_raises():
     assert isinstance(info.value.__cause__, ValueError)
     assert_state_equal(before, capture(model))
     assert remat.is_wrapped(model.blocks[0]) is None and remat.is_wrapped(model.blocks[1]) == "selective"
+
+
+def _plans_as_measured(model, x, prof, budgets):
+    """(predicted, measured) of the plan for each of ``budgets(lowest)``, one level and nested; measured in the
+    second step of ``remat.measure``, where a gradient left on ``x`` by the first would be alive throughout."""
+    out = {}
+    for nested in (False, True):
+        lowest = remat.plan(prof, 1.0, nested=nested).min_peak_bytes
+        for budget in budgets(lowest):
+            plan = remat.plan(prof, min(max(budget, lowest), prof.baseline_peak_bytes), nested=nested)
+            key = (tuple(sorted(plan.assignment.items())), repr(plan.segments))
+            if key not in out:
+                remat.apply(model, plan)
+                try:
+                    out[key] = plan.predicted_peak_bytes, remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+                finally:
+                    remat.remove(model)
+    return out
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+@pytest.mark.parametrize("stem", [False, True], ids=["blocks-first", "stem-first"])
+def test_inputs_that_require_grad_are_predicted_to_the_byte(fake, stem):
+    # The input's gradient is made in the first block's backward (or the stem's, in glue after it) and is
+    # alive to the end of the step: each step, as each of a loop's steps on fresh inputs.
+    model = residual_chain(stem=stem)
+    x = torch.randn(16, 32, 32, requires_grad=True)
+    prof = remat.profile(model, x, repeat=1, warmup=0, fake=fake)
+    assert x.grad is None
+    base = prof.baseline_peak_bytes
+    rows = _plans_as_measured(model, x, prof, lambda lowest: (base, (base + lowest) // 2, lowest))
+    assert len(rows) >= 4 and any(segments != "()" for _, segments in rows), rows
+    assert all(predicted == measured for predicted, measured in rows.values()), rows
+    assert x.grad is None
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_an_input_gradient_at_the_peak_or_held_before_is_predicted_to_the_byte(fake):
+    # Weights outweigh activations: the peak is at the end of backward, where the input's gradient is alive.
+    model = residual_chain(width=64, hidden=256)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    prof = remat.profile(model, x, repeat=1, warmup=0, fake=fake)
+    rows = _plans_as_measured(model, x, prof, lambda lowest: (prof.baseline_peak_bytes, lowest))
+    assert all(predicted == measured for predicted, measured in rows.values()), rows
+    # A gradient the input already holds is alive through every step and accumulated into, and left as it was.
+    held = x.grad = torch.randn_like(x)
+    values, version = held.clone(), held._version
+    prof = remat.profile(model, x, repeat=1, warmup=0, fake=fake)
+    assert prof.resting_bytes == remat.measure(model, x, repeat=1).resting_bytes
+    rows = _plans_as_measured(model, x, prof, lambda lowest: (prof.baseline_peak_bytes, lowest))
+    assert all(predicted == measured for predicted, measured in rows.values()), rows
+    assert x.grad is held and torch.equal(held, values) and held._version == version
 
 
 def test_json_round_trip_and_table(profiles):

@@ -1,4 +1,20 @@
-"""One training step, defined once: call the model, reduce to a loss, backward."""
+"""One training step, defined once: call the model, reduce to a loss, backward.
+
+NOTE [Each step's inputs are fresh]
+A training loop hands every step new input tensors, so an input that requires grad
+starts each step with no gradient, and its gradient (made in the backward of the
+first op that reads it) is alive from there to the end of the step. remat runs many
+steps on the one ``inputs`` it is given: backward into the user's tensor would leave a
+``.grad`` on it after every remat call, and from the second step on that gradient
+would be alive through the whole step and accumulated in place, so a plan predicted
+from a first step's trace measured 524288 B (the gradient of a 32x64x64 float input)
+above its prediction. So each step calls the model with a new leaf over the same data
+for every input that requires grad (``fresh_inputs``): the user's tensor is never
+touched and never reached by backward (a non-leaf's graph included, whose second
+backward would fail). A leaf input that already has a gradient hands it to its fresh
+leaf, so that the step starts with the gradient as the user had it (alive, accumulated
+into in place); :class:`InputGrads` puts its values and version back afterwards.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from remat.errors import RematError
 
@@ -15,7 +31,9 @@ LossFn = Callable[[Any], torch.Tensor]
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` the way design.md defines ``inputs``: tensor, tuple or dict."""
+    """Call ``model`` the way design.md defines ``inputs`` (tensor, tuple or dict), on fresh leaves for the
+    inputs that require grad (NOTE [Each step's inputs are fresh])."""
+    inputs = fresh_inputs(model, inputs)
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, tuple):
@@ -89,3 +107,60 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def input_tensors(inputs: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(inputs)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def fresh_inputs(model: nn.Module, inputs: Any) -> Any:
+    """``inputs`` with every tensor that requires grad (and is no parameter of ``model``) replaced by a new leaf
+    over the same data: what one step reads (NOTE [Each step's inputs are fresh]). ``inputs`` itself when no
+    input requires grad."""
+    if not any(t.requires_grad for t in input_tensors(inputs)):
+        return inputs
+    own = {id(p) for p in model.parameters()}  # a parameter passed as an input stays the model's
+
+    def fresh(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in own:
+            return t
+        leaf = t.detach().requires_grad_()
+        if t.is_leaf:
+            leaf.grad = t.grad
+        else:  # a non-leaf keeps no gradient: its gradient is used and freed, as backward into its graph would
+            leaf.register_post_accumulate_grad_hook(_drop_grad)
+        return leaf
+
+    return tree_map(fresh, inputs)
+
+
+def _drop_grad(leaf: torch.Tensor) -> None:
+    leaf.grad = None
+
+
+class InputGrads:
+    """The gradients the user's leaf inputs hold, put back by :meth:`restore`: the same tensors, their values and
+    version counters (steps accumulate into them in place, NOTE [Each step's inputs are fresh]), and ``.grad`` as
+    it was on every input. Snapshots live on the CPU, so that a CUDA peak measured meanwhile never counts them."""
+
+    def __init__(self, inputs: Any) -> None:
+        tensors = list({id(t): t for t in input_tensors(inputs) if t.is_leaf}.values())
+        self.saved = [(t, t.grad, None if t.grad is None else t.grad.detach().to("cpu", copy=True),
+                       None if t.grad is None else t.grad._version) for t in tensors]
+
+    def restore(self) -> None:
+        for t, grad, values, version in self.saved:
+            if grad is not None and grad._version != version:
+                with torch.no_grad():
+                    grad.copy_(values)
+                _set_version(grad, version)
+            if t.grad is not grad:
+                t.grad = grad
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    except TypeError:  # older torch takes one tensor
+        torch._C._autograd._unsafe_set_version_counter(t, version)
+
+
+def input_grads(inputs: Any) -> list[torch.Tensor]:
+    """The gradients the leaf inputs already hold: alive through every step (resting)."""
+    return [t.grad for t in input_tensors(inputs) if t.is_leaf and t.grad is not None]

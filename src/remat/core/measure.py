@@ -11,7 +11,8 @@ context), never RSS.
 
 Step time is the median of ``repeat`` synchronised steps after ``warmup``
 steps. The model is restored afterwards: parameters, buffers, gradients,
-``training`` flags, RNG streams, and the optimizer's state.
+``training`` flags, RNG streams, and the optimizer's state; so are the inputs'
+gradients (NOTE [Each step's inputs are fresh] in ``remat.core._step``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
 from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
-from remat.core._step import LossFn, input_tensors, trainable_parameters, training_step
+from remat.core._step import InputGrads, LossFn, input_grads, input_tensors, trainable_parameters, training_step
 from remat.errors import RematError
 
 __all__ = ["Measurement", "measure"]
@@ -81,8 +82,10 @@ def _sync(device: torch.device) -> None:
 
 
 def resting_tensors(model: nn.Module, inputs: Any, loop: Loop = NO_LOOP) -> list[torch.Tensor]:
-    """What is alive before a step: parameters, buffers, inputs, and what ``loop`` keeps between steps."""
-    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs)]
+    """What is alive before a step: parameters, buffers, inputs (and gradients they already hold), and what
+    ``loop`` keeps between steps."""
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs),
+               *input_grads(inputs)]
     return tensors + loop.resident(model)
 
 
@@ -92,10 +95,18 @@ def measure_peak(
     """(peak bytes, resting bytes, loss) of one step as ``loop`` repeats it; gradients are left on the model.
 
     The step starts from the loop's steady state (NOTE [The step a loop repeats]): the
-    caller restores parameters, gradients and the optimizer's state. ``allocator``: off
-    CUDA, count the step from the CPU allocator's reports rather than from the
-    dispatcher, for kernels it never sees (``torch.compile``'s).
+    caller restores parameters, gradients and the optimizer's state; the inputs' gradients
+    are put back here. ``allocator``: off CUDA, count the step from the CPU allocator's
+    reports rather than from the dispatcher, for kernels it never sees (``torch.compile``'s).
     """
+    grads = InputGrads(inputs)
+    try:
+        return _peak(model, inputs, loss_fn, loop, allocator)
+    finally:
+        grads.restore()
+
+
+def _peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, loop: Loop, allocator: bool) -> tuple[int, int, float]:
     device = device_of(model, inputs)
     loop.steady(model, inputs, loss_fn)
     loop.start(model)
@@ -152,7 +163,7 @@ def measure(
         raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     loop = make_loop(model, optimizer, accumulation_steps, "remat.measure")
     device = device_of(model, inputs)
-    state = capture(model)
+    state, grads = capture(model), InputGrads(inputs)
     opt_state = OptimizerSnapshot(optimizer)
     try:
         with model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)):
@@ -171,6 +182,7 @@ def measure(
             missing = tuple(n for n, p in params.items() if p.grad is None)
             zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
     finally:
+        grads.restore()
         state.restore()
         opt_state.restore()
     return Measurement(

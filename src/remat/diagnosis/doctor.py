@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from remat.core._state import ModelState, capture
-from remat.core._step import LossFn, call_model, compute_loss, training_step
+from remat.core._step import InputGrads, LossFn, call_model, compute_loss, training_step
 from remat.core.measure import Measurement, _sync, device_of, measure
 from remat.diagnosis import _checks as checks
 from remat.diagnosis._checks import Costs, Finding, StepRecord
@@ -258,7 +258,7 @@ def doctor(
             that other work on the machine slows every configuration alike).
     """
     _check_options(model, rtol, atol, min_saving, warmup, repeat)
-    state = capture(model)
+    state, grads = capture(model), InputGrads(inputs)
     icpt = Interceptor(model)
     python = PythonState(model)
     run = _Run(model, inputs, loss_fn, icpt, state, python, python.snapshot())
@@ -279,6 +279,7 @@ def doctor(
         ) from exc
     finally:
         state.restore()
+        grads.restore()
         python.restore(run.python_before)
     return _report(ref, ck, costs, state, python, _leaf_names(model), rtol, atol, min_saving)
 

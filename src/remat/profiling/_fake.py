@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
 from remat.core._memtrack import storage_bytes
-from remat.core._step import LossFn
+from remat.core._step import InputGrads, LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
@@ -116,7 +116,14 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
     def fake_input(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        fake = _fake_like(mode, t)
+        # Its gradient is the step's memory too (NOTE [Each step's inputs are fresh] in remat.core._step):
+        # a leaf's is kept to the end of the step, a non-leaf's (here a view) used and freed.
+        fake = _fake_like(mode, t).requires_grad_(t.requires_grad)
+        if t.is_leaf and t.grad is not None:
+            fake.grad = _fake_like(mode, t.grad)
+        elif not t.is_leaf:
+            with mode:
+                fake = fake.view_as(fake)
         shadows.seed(fake, t)
         return fake
 
@@ -156,6 +163,7 @@ def run_fake_profile(
     """Profile on fake tensors with times from ``target`` (see ``remat.profile``)."""
     training = {n: m.training for n, m in model.named_modules()}
     rng = torch.get_rng_state()
+    grads = InputGrads(inputs)  # a loss_fn that reads a real input reaches it even here
     notes = []
     try:
         try:
@@ -184,3 +192,4 @@ def run_fake_profile(
         for name, module in model.named_modules():
             module.training = training[name]
         torch.set_rng_state(rng)
+        grads.restore()

@@ -16,7 +16,7 @@ from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture
-from remat.core._step import LossFn, trainable_parameters, training_step
+from remat.core._step import InputGrads, LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, forget_structure, wrap
@@ -193,7 +193,7 @@ def run_profile(
     loop: Loop = NO_LOOP,
 ) -> Profile:
     """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
-    original, optimizer_state = capture(model), OptimizerSnapshot(loop.optimizer)
+    original, optimizer_state, grads = capture(model), OptimizerSnapshot(loop.optimizer), InputGrads(inputs)
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
     phases = Phases()
@@ -247,6 +247,7 @@ def run_profile(
             switch.restore()
             original.restore()
             optimizer_state.restore()
+            grads.restore()
 
 
 def _assemble(

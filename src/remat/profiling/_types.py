@@ -93,7 +93,8 @@ class Profile:
     blocks: tuple[BlockProfile, ...]
     """The blocks, in execution order."""
     resting_bytes: int
-    """Parameters, buffers and inputs, and what the training loop keeps alive: alive for the whole step."""
+    """Parameters, buffers and inputs (with gradients they already hold), and what the training loop keeps alive:
+    alive for the whole step."""
     param_bytes: int
     """Bytes of all parameters."""
     grad_bytes: int
