@@ -11,7 +11,8 @@ import remat
 from remat.core._state import capture
 from remat.profiling._blocks import find_blocks
 from remat.zoo import build
-from conftest import SMALL, assert_state_equal, measure_assignment
+from conftest import (SMALL, Interruptible, UntouchedByCtrlC, assert_state_equal, ctrl_c_while_restoring_rng,
+                      measure_assignment)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,26 @@ def test_profile_restores_model_state_when_it_raises():
     assert isinstance(info.value.__cause__, ValueError)
     assert_state_equal(before, capture(model))
     assert remat.is_wrapped(model.blocks[0]) is None and remat.is_wrapped(model.blocks[1]) == "selective"
+
+
+@pytest.mark.parametrize("at", [0, 2, 7])  # the loop's first step, a traced step, a timed step
+def test_ctrl_c_in_a_profiled_step_leaves_everything_as_it_was(at):
+    model, x = Interruptible(at), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = UntouchedByCtrlC(model, optimizer)
+    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
+                                          optimizer=optimizer, warmup=1, repeat=1))
+
+
+def test_ctrl_c_while_profile_restores_waits_until_everything_is_back(monkeypatch):
+    # From the second traced step on, each restore is hit by a Ctrl-C; the last one holds it until the
+    # optimizer's state is back too.
+    model, x = Interruptible(), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = UntouchedByCtrlC(model, optimizer)
+    ctrl_c_while_restoring_rng(monkeypatch, start=2)
+    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
+                                          optimizer=optimizer, warmup=1, repeat=1))
 
 
 def test_json_round_trip_and_table(profiles):
