@@ -1,9 +1,13 @@
 import copy
+import itertools
+import signal
 import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import remat
 
@@ -168,3 +172,73 @@ def residual_chain(depth=4, width=32, hidden=128, stem=False):
     made in glue, after the first block's backward)."""
     blocks = nn.Sequential(*[ResidualMLP(width, hidden) for _ in range(depth)])
     return nn.Sequential(nn.Linear(width, width), blocks) if stem else blocks
+
+
+class Interruptible(nn.Module):
+    """Blocks with BatchNorm (buffers) and dropout (RNG), the middle one checkpointed as a user would, an
+    attribute and a list its forward changes (Python state the doctor watches), and a Ctrl-C: its forward
+    raises KeyboardInterrupt on call ``at`` (counted where no restore puts it back)."""
+
+    def __init__(self, at=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2)) for _ in range(3))
+        self.blocks[2].eval()
+        self.blocks[0][0].bias.requires_grad_(False)
+        self.blocks[0][0].weight.grad = torch.ones(8, 8)
+        self.at, self.calls = at, itertools.count()
+        self.steps, self.seen = 0, []
+
+    def forward(self, x):
+        if next(self.calls) == self.at:
+            raise KeyboardInterrupt
+        self.steps += 1
+        self.seen.append(self.steps)
+        x = self.blocks[0](x)
+        x = torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=False)
+        return self.blocks[2](x)
+
+
+class UntouchedByCtrlC(Untouched):
+    """:class:`Untouched`, and the optimizer's state, every module's hooks and the global ones (and with
+    ``python``, the Python values of an :class:`Interruptible`, which the doctor restores), after a remat call
+    that a Ctrl-C stopped (which must propagate)."""
+
+    def __init__(self, model, optimizer=None, *, python=False):
+        super().__init__(model)
+        self.optimizer, self.check_python = optimizer, python
+        self.opt_state = None if optimizer is None else copy.deepcopy(optimizer.state_dict())
+        self.python = (model.steps, model.seen, list(model.seen))
+        self.hooks = self._hooks()
+
+    def _hooks(self):
+        module = torch.nn.modules.module
+        return ([(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in self.model.modules()],
+                dict(module._global_forward_pre_hooks), dict(module._global_forward_hooks))
+
+    def check(self, call):
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        super().check()
+        model = self.model
+        if self.check_python:
+            assert (model.steps, model.seen) == self.python[:2] and model.seen is self.python[1]
+            assert model.seen == self.python[2]
+        assert self._hooks() == self.hooks
+        if self.optimizer is not None:
+            (now, spec), (before, spec_before) = tree_flatten(self.optimizer.state_dict()), tree_flatten(self.opt_state)
+            assert spec == spec_before
+            assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(now, before))
+
+
+def ctrl_c_while_restoring_rng(monkeypatch, start):
+    """Ctrl-C pressed again and again: from ``torch.set_rng_state``'s call ``start`` on, a real SIGINT lands
+    each time remat puts the RNG state back (restores are mostly tensor copies no test can interrupt)."""
+    calls, set_rng_state = itertools.count(), torch.set_rng_state
+
+    def interrupted(state):
+        if next(calls) >= start:
+            signal.raise_signal(signal.SIGINT)
+        set_rng_state(state)
+
+    monkeypatch.setattr(torch, "set_rng_state", interrupted)

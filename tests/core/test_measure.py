@@ -1,5 +1,6 @@
 """remat.measure and the storage tracker, against bytes computed by hand."""
 
+import signal
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
 from remat.core._step import training_step
 from remat.zoo import SeedCifarCNN, build
-from conftest import assert_state_equal
+from conftest import Interruptible, UntouchedByCtrlC, assert_state_equal
 
 
 
@@ -190,6 +191,24 @@ def test_an_input_with_a_graph_is_measured_without_backward_into_it():
     x = torch.tanh(w)
     remat.measure(model, x, warmup=1, repeat=2)
     assert w.grad is None and x.grad_fn is not None
+
+
+@pytest.mark.parametrize("at", [0, 3])  # the loop's first step (the optimizer's state made), the measured one
+def test_ctrl_c_in_a_measured_step_leaves_everything_as_it_was(at):
+    model, x = Interruptible(at), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = UntouchedByCtrlC(model, optimizer)
+    untouched.check(lambda: remat.measure(model, x, optimizer=optimizer, warmup=1, repeat=1))
+
+
+def test_ctrl_c_while_measure_restores_waits_until_everything_is_back():
+    # A second Ctrl-C (a real SIGINT) lands while the optimizer's state is loaded back: it is
+    # held until every restore ran, then raised.
+    model, x = Interruptible(at=2), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.register_load_state_dict_pre_hook(lambda opt, state: signal.raise_signal(signal.SIGINT))
+    untouched = UntouchedByCtrlC(model, optimizer)
+    untouched.check(lambda: remat.measure(model, x, optimizer=optimizer, warmup=1, repeat=1))
 
 
 def test_bad_arguments_raise_remat_error():

@@ -1,12 +1,16 @@
 """Profiling on fake tensors: same memory as a real profile, no allocation, any size."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
 
 import remat
+from remat.profiling import _fake
 from remat.profiling.targets import TARGETS, calibrate_cpu, get_target
 from remat.zoo import build
+from conftest import Interruptible, UntouchedByCtrlC
 
 
 class TinyTransformer(nn.Module):
@@ -58,6 +62,28 @@ def test_fake_profile_leaves_the_model_alone():
     for n, p in zoo.model.named_parameters():
         assert p is params[n] and torch.equal(p, values[n]) and p.grad is None
     assert torch.equal(rng, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("swap, step", [(3, None), (None, 0)])  # while the fake twins go in, in a fake step
+def test_ctrl_c_in_a_fake_profile_leaves_everything_as_it_was(monkeypatch, swap, step):
+    model, x = Interruptible(step), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.zero_grad()
+    optimizer.step()  # a state to swap out and back
+    untouched = UntouchedByCtrlC(model, optimizer)
+    params = dict(model.named_parameters())
+    calls, fake_like = itertools.count(), _fake._fake_like
+
+    def interrupted(mode, t):
+        if next(calls) == swap:
+            raise KeyboardInterrupt
+        return fake_like(mode, t)
+
+    monkeypatch.setattr(_fake, "_fake_like", interrupted)
+    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
+                                          optimizer=optimizer, fake=True, target="a100"))
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert all(p is q for p, q in zip(optimizer.param_groups[0]["params"], params.values(), strict=True))
 
 
 def test_llama_7b_shape_profiles_without_allocating():

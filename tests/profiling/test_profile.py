@@ -11,7 +11,8 @@ import remat
 from remat.core._state import capture
 from remat.profiling._blocks import find_blocks
 from remat.zoo import build
-from conftest import SMALL, assert_state_equal, measure_assignment, residual_chain
+from conftest import (SMALL, Interruptible, UntouchedByCtrlC, assert_state_equal, ctrl_c_while_restoring_rng,
+                      measure_assignment, residual_chain)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +175,26 @@ def test_an_input_gradient_at_the_peak_or_held_before_is_predicted_to_the_byte(f
     rows = _plans_as_measured(model, x, prof, lambda lowest: (prof.baseline_peak_bytes, lowest))
     assert all(predicted == measured for predicted, measured in rows.values()), rows
     assert x.grad is held and torch.equal(held, values) and held._version == version
+
+
+@pytest.mark.parametrize("at", [0, 2, 7])  # the loop's first step, a traced step, a timed step
+def test_ctrl_c_in_a_profiled_step_leaves_everything_as_it_was(at):
+    model, x = Interruptible(at), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = UntouchedByCtrlC(model, optimizer)
+    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
+                                          optimizer=optimizer, warmup=1, repeat=1))
+
+
+def test_ctrl_c_while_profile_restores_waits_until_everything_is_back(monkeypatch):
+    # From the second traced step on, each restore is hit by a Ctrl-C; the last one holds it until the
+    # optimizer's state is back too.
+    model, x = Interruptible(), torch.randn(4, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    untouched = UntouchedByCtrlC(model, optimizer)
+    ctrl_c_while_restoring_rng(monkeypatch, start=2)
+    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
+                                          optimizer=optimizer, warmup=1, repeat=1))
 
 
 def test_json_round_trip_and_table(profiles):

@@ -63,8 +63,8 @@ def restore_cache(model: nn.Module) -> None:
 @contextlib.contextmanager
 def cache_disabled(model: nn.Module) -> Iterator[None]:
     already = _SAVED in model.__dict__
-    disable_cache(model)
     try:
+        disable_cache(model)
         yield
     finally:
         if not already:

@@ -127,15 +127,23 @@ def make_loop(model: nn.Module, optimizer: Any, accumulation_steps: Any, api: st
 class OptimizerSnapshot:
     """The optimizer's state, copied to CPU memory (a CUDA peak measured meanwhile never counts it)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer | None, api: str = "remat") -> None:
         self.optimizer = optimizer
+        self.api = api
         self.saved = None if optimizer is None else tree_map(_to_cpu, optimizer.state_dict())
 
     def restore(self) -> None:
-        if self.optimizer is not None:
+        if self.optimizer is None:
+            return
+        try:
             # load_state_dict moves the state back to each parameter's device and dtype; on the CPU it keeps the
             # tensors it is given, which the next step updates in place: hand it copies, not the snapshot
             self.optimizer.load_state_dict(tree_map(_to_cpu, self.saved))
+        except Exception as exc:
+            raise RematError(
+                f"{self.api}: failed to restore the state of the optimizer {type(self.optimizer).__name__} after "
+                f"running its step ({type(exc).__name__}: {exc}); its load_state_dict (or a hook on it) raised."
+            ) from exc
 
 
 def _to_cpu(value: Any) -> Any:

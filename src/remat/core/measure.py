@@ -29,7 +29,7 @@ from torch import nn
 from remat.core._compiled import eager_module
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
-from remat.core._state import capture
+from remat.core._state import capture, restoring
 from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
 from remat.core._step import InputGrads, LossFn, input_grads, input_tensors, trainable_parameters, training_step
 from remat.errors import RematError
@@ -163,28 +163,24 @@ def measure(
         raise RematError(f"remat.measure: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     loop = make_loop(model, optimizer, accumulation_steps, "remat.measure")
     device = device_of(model, inputs)
-    state, grads = capture(model), InputGrads(inputs)
-    opt_state = OptimizerSnapshot(optimizer)
-    try:
-        with model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)):
-            loop.steady(model, inputs, loss_fn)
-            times = []
-            for i in range(warmup + repeat):
-                loop.start(model)
-                _sync(device)
-                start = time.perf_counter()
-                training_step(model, inputs, loss_fn, optimizer)
-                _sync(device)
-                if i >= warmup:
-                    times.append(time.perf_counter() - start)
-            peak, resting, loss = measure_peak(model, inputs, loss_fn, loop)
-            params = trainable_parameters(model)
-            missing = tuple(n for n, p in params.items() if p.grad is None)
-            zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
-    finally:
-        grads.restore()
-        state.restore()
-        opt_state.restore()
+    state, grads = capture(model, "remat.measure"), InputGrads(inputs)
+    opt_state = OptimizerSnapshot(optimizer, "remat.measure")
+    with restoring("remat.measure", grads.restore, state.restore, opt_state.restore), \
+            model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)):
+        loop.steady(model, inputs, loss_fn)
+        times = []
+        for i in range(warmup + repeat):
+            loop.start(model)
+            _sync(device)
+            start = time.perf_counter()
+            training_step(model, inputs, loss_fn, optimizer)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        peak, resting, loss = measure_peak(model, inputs, loss_fn, loop)
+        params = trainable_parameters(model)
+        missing = tuple(n for n, p in params.items() if p.grad is None)
+        zero = tuple(n for n, p in params.items() if p.grad is not None and not p.grad.any())
     return Measurement(
         peak_bytes=peak,
         resting_bytes=resting,

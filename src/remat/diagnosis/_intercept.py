@@ -63,6 +63,8 @@ _RUNNERS = frozenset(os.path.join(_REMAT_DIR, wing, f)
 _UNSET_WARNING = "use_reentrant parameter should be passed explicitly"
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 _GENERATOR = "_checkpoint_without_reentrant_generator"
+# Libraries whose own gradient checkpointing calls torch's (``enable_gradient_checkpointing``).
+_LIBRARIES = {"transformers": "Hugging Face", "diffusers": "diffusers"}
 
 
 def never(key: CallKey) -> bool:
@@ -161,8 +163,9 @@ def _call_site() -> tuple[str, str]:
         elif path not in _MACHINERY:
             # A Hugging Face layer's __call__ is on the stack of every call of its forward; it is
             # the API only when it called torch's checkpoint itself (remat.wrap was not seen first).
-            if "transformers" in path.split(os.sep) and api == "torch.utils.checkpoint.checkpoint":
-                api = "Hugging Face gradient checkpointing"
+            library = next((lib for lib in _LIBRARIES if lib in path.split(os.sep)), None)
+            if library is not None and api == "torch.utils.checkpoint.checkpoint":
+                api = f"{_LIBRARIES[library]} gradient checkpointing"
             return f"{_short(path)}:{frame.f_lineno}", api
         frame = frame.f_back
     return "<unknown>", api

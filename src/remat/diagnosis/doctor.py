@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core._state import ModelState, capture
+from remat.core._state import ModelState, capture, restoring
 from remat.core._step import InputGrads, LossFn, call_model, compute_loss, training_step
 from remat.core.measure import Measurement, _sync, device_of, measure
 from remat.diagnosis import _checks as checks
@@ -258,29 +258,26 @@ def doctor(
             that other work on the machine slows every configuration alike).
     """
     _check_options(model, rtol, atol, min_saving, warmup, repeat)
-    state, grads = capture(model), InputGrads(inputs)
+    state, grads = capture(model, "remat.doctor"), InputGrads(inputs)
     icpt = Interceptor(model)
     python = PythonState(model)
     run = _Run(model, inputs, loss_fn, icpt, state, python, python.snapshot())
     stage = "the step without checkpointing"
-    try:
-        with session(icpt), _eagerly():
-            ref = _step(run, plain=True)
-            stage = "the step with the model's checkpointing (it ran fine without)"
-            ck = _step(run, plain=False)
-            stage = "the measured steps"
-            costs = _costs(run, ck, warmup, repeat) if measure_cost and ck.calls else None
-    except RematError:
-        raise
-    except Exception as exc:
-        raise RematError(
-            f"remat.doctor: the model raised {type(exc).__name__} in {stage}: {exc}. The model was restored; "
-            "fix the error (run one step yourself to see the full traceback), then run the doctor again."
-        ) from exc
-    finally:
-        state.restore()
-        grads.restore()
-        python.restore(run.python_before)
+    with restoring("remat.doctor", state.restore, grads.restore, functools.partial(python.restore, run.python_before)):
+        try:
+            with session(icpt), _eagerly():
+                ref = _step(run, plain=True)
+                stage = "the step with the model's checkpointing (it ran fine without)"
+                ck = _step(run, plain=False)
+                stage = "the measured steps"
+                costs = _costs(run, ck, warmup, repeat) if measure_cost and ck.calls else None
+        except RematError:
+            raise
+        except Exception as exc:
+            raise RematError(
+                f"remat.doctor: the model raised {type(exc).__name__} in {stage}: {exc}. The model was restored; "
+                "fix the error (run one step yourself to see the full traceback), then run the doctor again."
+            ) from exc
     return _report(ref, ck, costs, state, python, _leaf_names(model), rtol, atol, min_saving)
 
 

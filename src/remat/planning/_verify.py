@@ -35,7 +35,7 @@ from torch import nn
 from remat.core._fingerprint import Fingerprint, fingerprint
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
 from remat.core._segment import NotAChain
-from remat.core._state import capture
+from remat.core._state import capture, restoring
 from remat.core._user_errors import model_errors
 from remat.core.measure import compiled_peak, device_of, measure_peak
 from remat.errors import RematError
@@ -73,18 +73,15 @@ def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: 
     """(peak, summary of what the step computed) of one real step of ``loop`` with ``plan`` applied, in the
     plan's mode (compiled with ``backend`` if given, then without a summary); model and optimizer restored."""
     put(model, plan)
-    state, optimizer_state = capture(model), OptimizerSnapshot(loop.optimizer)
-    try:
+    state, optimizer_state = capture(model, "remat.auto"), OptimizerSnapshot(loop.optimizer, "remat.auto")
+    with restoring("remat.auto", state.restore, optimizer_state.restore), \
+            model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
         if plan.training is not None:
             model.train(plan.training)
-        with model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
-            if backend is not None:
-                return compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop), None
-            peak, _, loss = measure_peak(model, inputs, loss_fn, loop)
-            return peak, fingerprint(model, loss)
-    finally:
-        state.restore()
-        optimizer_state.restore()
+        if backend is not None:
+            return compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop), None
+        peak, _, loss = measure_peak(model, inputs, loss_fn, loop)
+        return peak, fingerprint(model, loss)
 
 
 def _blocks_of(names: list[str], blocks: list[str]) -> list[str]:

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
 from remat.core._memtrack import storage_bytes
+from remat.core._state import restoring, uninterrupted
 from remat.core._step import InputGrads, LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
@@ -67,8 +68,16 @@ class _FakeWeights:
         self.optimizer = optimizer
         self.saved: list[tuple[dict, str, Any]] = []
         self.groups: list[tuple[dict, list]] = []
+        self.state: Any = None
 
     def __enter__(self) -> None:
+        try:
+            self._swap()
+        except BaseException:
+            self.__exit__()  # ``with`` leaves only what it entered: put back the twins swapped in so far
+            raise
+
+    def _swap(self) -> None:
         twins: dict[int, torch.Tensor] = {}
         for module in self.model.modules():
             for store in (module._parameters, module._buffers):
@@ -88,13 +97,15 @@ class _FakeWeights:
             self.state, self.optimizer.state = self.optimizer.state, defaultdict(dict)
 
     def __exit__(self, *exc: Any) -> None:
-        for store, name, t in reversed(self.saved):
-            store[name] = t
-        self.saved.clear()
-        if self.optimizer is not None:
+        with uninterrupted():
+            for store, name, t in reversed(self.saved):
+                store[name] = t
+            self.saved.clear()
             for group, params in self.groups:
                 group["params"] = params
-            self.optimizer.state = self.state
+            self.groups = []
+            if self.state is not None:
+                self.optimizer.state, self.state = self.state, None
 
 
 @contextlib.contextmanager
@@ -131,23 +142,20 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
     workspace = Workspace(target.cuda.gpu, target.cuda.workspace) if target.cuda is not None else None
     switch = _Policies(model, names)
     traced, io_bytes, ledgers = {}, {}, {}
-    try:
-        with _FakeWeights(model, mode, loop.optimizer), cache_disabled(model), _target_kernels(target, gpu_path), \
-                young_collections():
-            for policy, run_as, learn in trace_schedule(policies):
-                switch.set(run_as)
-                with mode, shadows:
-                    if learn:
-                        learn_structure(model, fake_inputs, loss_fn)
-                    loop.steady(model, fake_inputs, loss_fn)
-                    traced[policy], io, _, ledgers[policy] = traced_step(
-                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
-                    )
-                io_bytes = io_bytes or io
-            kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
-            return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers, kept
-    finally:
-        switch.restore()
+    with restoring("remat.profile", switch.restore), _FakeWeights(model, mode, loop.optimizer), \
+            cache_disabled(model), _target_kernels(target, gpu_path), young_collections():
+        for policy, run_as, learn in trace_schedule(policies):
+            switch.set(run_as)
+            with mode, shadows:
+                if learn:
+                    learn_structure(model, fake_inputs, loss_fn)
+                loop.steady(model, fake_inputs, loss_fn)
+                traced[policy], io, _, ledgers[policy] = traced_step(
+                    model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
+                )
+            io_bytes = io_bytes or io
+        kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
+        return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers, kept
 
 
 def run_fake_profile(
@@ -163,33 +171,35 @@ def run_fake_profile(
     """Profile on fake tensors with times from ``target`` (see ``remat.profile``)."""
     training = {n: m.training for n, m in model.named_modules()}
     rng = torch.get_rng_state()
-    grads = InputGrads(inputs)  # a loss_fn that reads a real input reaches it even here
-    notes = []
-    try:
-        try:
-            traced, io_bytes, fake_inputs, ledgers, kept = _trace(model, inputs, loss_fn, names, policies, target,
-                                                                  gpu_path=True, loop=loop)
-        except DataDependentOutputException:
-            # A value the shadows do not know (computed from weights, say): the library's own
-            # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
-            traced, io_bytes, fake_inputs, ledgers, kept = _trace(model, inputs, loss_fn, names, policies, target,
-                                                                  gpu_path=False, loop=loop)
-            notes.append("fake run: the model's forward reads tensor values, so transformers took its tracing "
-                         "path (explicit masks, repeated K/V heads), which a GPU step does not take.")
-        extra = target.cuda.persistent_bytes if target.cuda is not None else 0
-        if extra:
-            notes.append(f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
-                         f"allocated ({target.cuda.source}).")
-        return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [], fake=True,
-                         target=target.name, device=f"{target.name} (fake)", extra_resting=extra, notes=notes,
-                         crossings=ledgers, loop=loop, loop_bytes=kept)
-    except DataDependentOutputException as exc:
-        raise RematError(
-            f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "
-            "tensors do not have; profile it on real tensors (with a smaller batch) instead."
-        ) from None
-    finally:
+
+    def restore() -> None:
         for name, module in model.named_modules():
             module.training = training[name]
         torch.set_rng_state(rng)
-        grads.restore()
+
+    grads = InputGrads(inputs)  # a loss_fn that reads a real input reaches it even here
+    notes = []
+    with restoring("remat.profile", restore, grads.restore):
+        try:
+            try:
+                traced, io_bytes, fake_inputs, ledgers, kept = _trace(
+                    model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop)
+            except DataDependentOutputException:
+                # A value the shadows do not know (computed from weights, say): the library's own
+                # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
+                traced, io_bytes, fake_inputs, ledgers, kept = _trace(
+                    model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop)
+                notes.append("fake run: the model's forward reads tensor values, so transformers took its tracing "
+                             "path (explicit masks, repeated K/V heads), which a GPU step does not take.")
+            extra = target.cuda.persistent_bytes if target.cuda is not None else 0
+            if extra:
+                notes.append(f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
+                             f"allocated ({target.cuda.source}).")
+            return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [], fake=True,
+                             target=target.name, device=f"{target.name} (fake)", extra_resting=extra, notes=notes,
+                             crossings=ledgers, loop=loop, loop_bytes=kept)
+        except DataDependentOutputException as exc:
+            raise RematError(
+                f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "
+                "tensors do not have; profile it on real tensors (with a smaller batch) instead."
+            ) from None

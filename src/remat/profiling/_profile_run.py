@@ -15,7 +15,7 @@ from torch import nn
 from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
-from remat.core._state import capture
+from remat.core._state import capture, restoring
 from remat.core._step import InputGrads, LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
 from remat.core._fine import FINE, inner_layers, wrap_fine
@@ -193,61 +193,58 @@ def run_profile(
     loop: Loop = NO_LOOP,
 ) -> Profile:
     """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
-    original, optimizer_state, grads = capture(model), OptimizerSnapshot(loop.optimizer), InputGrads(inputs)
+    original, grads = capture(model, "remat.profile"), InputGrads(inputs)
+    optimizer_state = OptimizerSnapshot(loop.optimizer, "remat.profile")
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
     phases = Phases()
-    with cache_disabled(model), young_collections():
-        try:
-            if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
-                training_step(model, inputs, loss_fn)
-                original.restore()
-            loop.steady(model, inputs, loss_fn)  # NOTE [The step a loop repeats]: every step starts from here
-            state = original if loop == NO_LOOP else capture(model)  # a second snapshot only if steady changed it
-            traced: dict[str, list[Segment]] = {}
-            io_bytes: dict[str, tuple[int, int]] = {}
-            resting: dict[str, int] = {}
-            crossings: dict[str, Ledger] = {}
-            for policy, run_as, learn in trace_schedule(policies):
-                switch.set(run_as)
-                if learn:
-                    with phases.timing("learning"):
-                        learn_structure(model, inputs, loss_fn)
-                    state.restore()
-                with phases.timing("traced"):
-                    traced[policy], io, resting[policy], crossings[policy] = traced_step(
-                        model, inputs, loss_fn, names, loop=loop)
-                io_bytes = io_bytes or io
-                state.restore()
-            traced = {p: traced[p] for p in policies}
-            _check_same_structure(traced)
-            seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
-            recompute: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
-            keep_steps: list[float] = []  # whole-step times without checkpointing: the profile's step time
-            # NOTE [The traced step is the first warm-up]: it runs every op of its policy once (lazy
-            # initialisation, allocator growth, kernel caches), so only warmup - 1 more rounds are untimed.
-            untimed = max(warmup - 1, 0)
-            for i in range(untimed + repeat):
-                for policy in policies:  # interleaved, so drift hits every policy alike
-                    switch.set(policy)
-                    with phases.timing("warm-up" if i < untimed else "timed"):
-                        segs = _timed_segments(model, inputs, loss_fn, names, loop)
-                    state.restore()
-                    if i >= untimed:
-                        if policy == "keep":
-                            keep_steps.append(sum(s.seconds for s in segs))
-                        for s in segs:
-                            seconds[policy][s.key].append(s.seconds)
-                            recompute[policy][s.key].append(s.recompute_s)
-            phases.log(statistics.median(keep_steps))
-            extra = resting["keep"] - storage_bytes(resting_tensors(model, inputs, loop)) if cuda else 0
-            return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps,
-                             recompute=recompute, extra_resting=extra, crossings=crossings, loop=loop)
-        finally:
-            switch.restore()
+    with restoring("remat.profile", switch.restore, original.restore, optimizer_state.restore, grads.restore), \
+            cache_disabled(model), young_collections():
+        if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
+            training_step(model, inputs, loss_fn)
             original.restore()
-            optimizer_state.restore()
-            grads.restore()
+        loop.steady(model, inputs, loss_fn)  # NOTE [The step a loop repeats]: every step starts from here
+        # a second snapshot only if steady changed the model
+        state = original if loop == NO_LOOP else capture(model, "remat.profile")
+        traced: dict[str, list[Segment]] = {}
+        io_bytes: dict[str, tuple[int, int]] = {}
+        resting: dict[str, int] = {}
+        crossings: dict[str, Ledger] = {}
+        for policy, run_as, learn in trace_schedule(policies):
+            switch.set(run_as)
+            if learn:
+                with phases.timing("learning"):
+                    learn_structure(model, inputs, loss_fn)
+                state.restore()
+            with phases.timing("traced"):
+                traced[policy], io, resting[policy], crossings[policy] = traced_step(
+                    model, inputs, loss_fn, names, loop=loop)
+            io_bytes = io_bytes or io
+            state.restore()
+        traced = {p: traced[p] for p in policies}
+        _check_same_structure(traced)
+        seconds: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
+        recompute: dict[str, dict[Key, list[float]]] = {p: defaultdict(list) for p in policies}
+        keep_steps: list[float] = []  # whole-step times without checkpointing: the profile's step time
+        # NOTE [The traced step is the first warm-up]: it runs every op of its policy once (lazy
+        # initialisation, allocator growth, kernel caches), so only warmup - 1 more rounds are untimed.
+        untimed = max(warmup - 1, 0)
+        for i in range(untimed + repeat):
+            for policy in policies:  # interleaved, so drift hits every policy alike
+                switch.set(policy)
+                with phases.timing("warm-up" if i < untimed else "timed"):
+                    segs = _timed_segments(model, inputs, loss_fn, names, loop)
+                state.restore()
+                if i >= untimed:
+                    if policy == "keep":
+                        keep_steps.append(sum(s.seconds for s in segs))
+                    for s in segs:
+                        seconds[policy][s.key].append(s.seconds)
+                        recompute[policy][s.key].append(s.recompute_s)
+        phases.log(statistics.median(keep_steps))
+        extra = resting["keep"] - storage_bytes(resting_tensors(model, inputs, loop)) if cuda else 0
+        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps,
+                         recompute=recompute, extra_resting=extra, crossings=crossings, loop=loop)
 
 
 def _assemble(

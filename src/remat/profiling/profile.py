@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from remat.core._loop import Loop, make_loop
+from remat.core._state import restoring
 from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import RematError
 from remat.profiling._types import Profile
@@ -89,14 +90,17 @@ def profile(
             f"remat.profile: target={target!r} only applies to fake=True; a real profile measures this device."
         )
     modes = {m: m.training for m in model.modules()}
-    try:
+
+    def restore_modes() -> None:
+        for m, mode in modes.items():
+            if m.training != mode:
+                m.training = mode
+
+    with restoring("remat.profile", restore_modes):
         if training is not None:
             model.train(training)
         with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
             prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target, loop)
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
     prof.training = model.training if training is None else training
     prof.parameters = sum(p.numel() for p in model.parameters())
     return prof
