@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# NOTE [Snapshots a step without an optimizer needs]
+# On the CPU the snapshot sits in the memory the step runs in: a copy of every parameter
+# is as much again as the model, and a budget that the step alone would meet is missed
+# by it (remat.auto's NOTE [Within the budget]). A training step without an optimizer
+# changes gradients, buffers and the RNG, never the parameters' values, so the callers
+# that run such steps (auto's verification) leave the values out.
+
 import torch
 from torch import nn
 
@@ -23,7 +30,8 @@ class ModelState:
     """Everything :func:`capture` saw; :meth:`restore` puts it back in place (same tensor objects)."""
 
     model: nn.Module
-    params: dict[str, tuple[torch.Tensor, torch.Tensor | None, bool]]
+    params: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, bool]]
+    """Per parameter: (its data, None where not copied; its gradient; ``requires_grad``)."""
     buffers: dict[str, torch.Tensor | None]
     training: dict[str, bool]
     cpu_rng: torch.Tensor
@@ -33,7 +41,8 @@ class ModelState:
         with torch.no_grad():
             for name, p in self.model.named_parameters(remove_duplicate=False):
                 data, grad, requires_grad = self.params[name]
-                p.copy_(data)
+                if data is not None:
+                    p.copy_(data)
                 # a copy: on the CPU .to() would hand out the snapshot itself, and a step that
                 # accumulates into p.grad in place (NOTE [The step a loop repeats]) would change it
                 p.grad = None if grad is None else grad.to(p.device, copy=True)
@@ -49,10 +58,11 @@ class ModelState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
-def capture(model: nn.Module) -> ModelState:
-    """Snapshot ``model`` and the RNG streams (to CPU memory)."""
+def capture(model: nn.Module, *, parameters: bool = True) -> ModelState:
+    """Snapshot ``model`` and the RNG streams (to CPU memory); ``parameters=False`` leaves out the parameters'
+    values, for steps that do not change them (NOTE [Snapshots a step without an optimizer needs])."""
     params = {
-        name: (_copy(p), _copy(p.grad), p.requires_grad)
+        name: (_copy(p) if parameters else None, _copy(p.grad), p.requires_grad)
         for name, p in model.named_parameters(remove_duplicate=False)
     }
     buffers = {name: _copy(b) for name, b in model.named_buffers(remove_duplicate=False)}

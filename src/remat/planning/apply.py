@@ -7,10 +7,12 @@ Blocks are checkpointed by giving the module an instance-level ``forward``
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.core._compiled import eager_module
@@ -19,14 +21,18 @@ from remat.core._fine import FINE, inner_layers
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._loop import Loop, make_loop
 from remat.core._user_errors import require_module
+from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._put import put, remove
 from remat.planning._verify import Findings, Unreachable, verified_plan
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._blocks import find_blocks
+from remat.profiling._format import human_bytes
 from remat.profiling.profile import profile as make_profile
 
 __all__ = ["apply", "auto", "remove"]
+
+log = logging.getLogger("remat")
 
 
 def _mode(training: bool) -> str:
@@ -108,15 +114,17 @@ def auto(
     remove(model)
     disable_cache(model)
     findings = Findings()
+    verify = verify and not profile_options.get("fake")
     try:
-        prof = make_profile(model, inputs, loss_fn, **profile_options)
+        prof = _profile_within(model, inputs, loss_fn, budget, verify and backend is None, profile_options)
         try:
             chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings)
         except Unreachable:
             if not _may_go_finer(model, prof, backend, profile_options):
                 raise
             # NOTE [Finer only when needed]
-            prof = make_profile(model, inputs, loss_fn, **{**profile_options, "policies": (*prof.policies, FINE)})
+            finer = {**profile_options, "policies": (*prof.policies, FINE)}
+            prof = _profile_within(model, inputs, loss_fn, budget, verify and backend is None, finer)
             chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings)
             note = (f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
                     f"{FINE} (each block's sub-layers checkpointed inside its recomputation).")
@@ -140,7 +148,7 @@ def auto(
 
 def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
                   verify: bool, loop: Loop, findings: Findings) -> Plan:
-    if verify and not prof.fake:
+    if verify:
         return verified_plan(model, inputs, loss_fn, prof, budget, backend, loop, findings)
     try:
         chosen = make_plan(prof, budget)
@@ -150,6 +158,51 @@ def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
         raise
     put(model, chosen)
     return chosen
+
+
+# NOTE [Within the budget]
+# On a device where the step without checkpointing does not fit, any step auto runs
+# over the budget would die of OutOfMemoryError before a plan is made; on a larger
+# device it would still hold more than the user allowed. So auto verifies with real
+# steps only plans predicted within the budget, and decides what to profile from a
+# profile on fake tensors, which allocates nothing (memory exact: on the CPU the same
+# bytes as a real profile, the roofline of the device's target for times). If that
+# profile's step without checkpointing fits the budget, the real profile runs as it
+# always did. Otherwise auto plans on the fake profile: a real profile runs every
+# policy uniformly and always the ``keep`` step, its baseline, which is over the
+# budget, and a profile without it would have no baseline for the peak model; the
+# price is step times from the roofline rather than measured ones. Verification then
+# starts with the lowest-peak plan (NOTE [The step verified plans are compared with])
+# and a step that runs out of memory is a plan over the budget (NOTE [Out of memory is
+# an answer]). A model fake tensors cannot run is profiled for real, as before, and
+# the log says so. Compiled verification (``compiled=``) measures the compiled step
+# without checkpointing first and is left as it was.
+def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool,
+                    profile_options: dict) -> Any:
+    """The profile auto plans on (NOTE [Within the budget]); ``fit``: real steps may follow it."""
+    if not fit:
+        return make_profile(model, inputs, loss_fn, **profile_options)
+    options = {k: v for k, v in profile_options.items() if k not in ("warmup", "repeat")}
+    try:
+        fake = make_profile(model, inputs, loss_fn, **{**options, "fake": True, "target": _target(model, inputs)})
+    except RematError as exc:
+        log.info("remat.auto: fake tensors cannot run this model (%s): profiled on real tensors.", exc)
+        return make_profile(model, inputs, loss_fn, **profile_options)
+    if fake.baseline_peak_bytes <= parse_budget(budget, fake.baseline_peak_bytes):
+        return make_profile(model, inputs, loss_fn, **profile_options)
+    log.info("remat.auto: the step without checkpointing (%s) is over the budget: planned on fake tensors.",
+             human_bytes(fake.baseline_peak_bytes))
+    return fake
+
+
+def _target(model: nn.Module, inputs: Any) -> str:
+    """The fake profile's target for the device the model runs on: its kernels, workspaces and roofline."""
+    device = device_of(model, inputs)
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    # an unknown GPU takes the H100's kernel choices; verification measures what they miss
+    return "a100" if "a100" in name else "h100"
 
 
 def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:

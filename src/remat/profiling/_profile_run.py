@@ -193,7 +193,10 @@ def run_profile(
     loop: Loop = NO_LOOP,
 ) -> Profile:
     """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
-    original, optimizer_state = capture(model), OptimizerSnapshot(loop.optimizer)
+    # NOTE [Snapshots a step without an optimizer needs]
+    changes_parameters = loop.optimizer is not None
+    original = capture(model, parameters=changes_parameters)
+    optimizer_state = OptimizerSnapshot(loop.optimizer)
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
     phases = Phases()
@@ -203,7 +206,8 @@ def run_profile(
                 training_step(model, inputs, loss_fn)
                 original.restore()
             loop.steady(model, inputs, loss_fn)  # NOTE [The step a loop repeats]: every step starts from here
-            state = original if loop == NO_LOOP else capture(model)  # a second snapshot only if steady changed it
+            # a second snapshot only if steady changed it
+            state = original if loop == NO_LOOP else capture(model, parameters=changes_parameters)
             traced: dict[str, list[Segment]] = {}
             io_bytes: dict[str, tuple[int, int]] = {}
             resting: dict[str, int] = {}
