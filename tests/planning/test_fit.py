@@ -165,3 +165,24 @@ def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(fraction):
         assert all(torch.equal(reference[n], got[n]) for n in reference)
     finally:
         remat.remove(model)
+
+
+def test_no_budget_off_cuda_is_refused_with_the_fix():
+    model, x, _ = _mlp()
+    with pytest.raises(remat.RematError, match="budget=None fits the plan to the GPU.*pass a budget"):
+        remat.auto(model, x, None, repeat=1, warmup=0)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_budget_on_cuda_fits_the_free_memory():
+    from remat.planning.apply import _budget_of_device
+
+    model, x, _ = _mlp()
+    model, x = model.cuda(), x.cuda()
+    free, _ = torch.cuda.mem_get_info()
+    budget = _budget_of_device(model, x)
+    assert torch.cuda.memory_allocated() < budget <= torch.cuda.memory_allocated() + free + torch.cuda.memory_reserved()
+    plan = remat.auto(model, x, None, repeat=1, warmup=0)
+    remat.remove(model)
+    assert plan.budget_bytes == budget and not plan.checkpointed  # this small model fits any GPU

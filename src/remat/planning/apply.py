@@ -80,6 +80,12 @@ def auto(
     ``optimizer=`` and ``accumulation_steps=`` the plan is made, and verified, for the step the
     loop repeats (NOTE [The step a loop repeats]).
 
+    ``budget`` is bytes (``"8GiB"``) or a fraction of the peak without checkpointing (``0.6``);
+    ``None`` on CUDA fits this GPU: what the process holds now and its free memory, less
+    ``FRAGMENTATION_MARGIN``. Auto never holds more device memory than the budget while some
+    plan fits it: below the peak without checkpointing it plans on fake tensors, and a step
+    that runs out of memory is a plan over the budget (NOTE [Within the budget]).
+
     With ``verify`` (the default, real tensors only) the plan applied is one whose real step
     measured within the budget and computed the loss, gradients and buffers of the step
     without checkpointing (``remat.planning._verify``: NOTE [Verify when it can], NOTE [A
@@ -106,6 +112,7 @@ def auto(
     """
     model = eager_module(model)
     require_module(model, "remat.auto")
+    budget = _budget_of_device(model, inputs) if budget is None else budget
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     backend = _compile_backend(compiled, verify, profile_options)
     loop = make_loop(model, profile_options.get("optimizer"), profile_options.get("accumulation_steps", 1),
@@ -193,6 +200,28 @@ def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fi
     log.info("remat.auto: the step without checkpointing (%s) is over the budget: planned on fake tensors.",
              human_bytes(fake.baseline_peak_bytes))
     return fake
+
+
+#: Share of the memory free for the model that ``budget=None`` leaves unplanned: the caching
+#: allocator rounds every block up and fragments its segments, so a step planned for all of it
+#: would run out of memory beside the gaps.
+FRAGMENTATION_MARGIN = 0.1
+
+
+def _budget_of_device(model: nn.Module, inputs: Any) -> int:
+    """``budget=None``: the bytes of this GPU the step may use (what this process holds now, and the free memory
+    less FRAGMENTATION_MARGIN)."""
+    device = device_of(model, inputs)
+    if device.type != "cuda":
+        raise RematError(
+            f"remat.auto: budget=None fits the plan to the GPU the model is on, but it is on {device}, whose free "
+            "memory remat cannot read; pass a budget: bytes such as '8GiB', or a fraction of the step's peak "
+            "without checkpointing such as 0.6."
+        )
+    free, _ = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_allocated(device)
+    cached = torch.cuda.memory_reserved(device) - held  # the allocator's cache is free for the step too
+    return held + int((free + cached) * (1 - FRAGMENTATION_MARGIN))
 
 
 def _target(model: nn.Module, inputs: Any) -> str:
