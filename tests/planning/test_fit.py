@@ -16,15 +16,7 @@ from remat.zoo import build
 
 from _device import SimulatedDevice, resting
 from conftest import SMALL
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+from test_verify import Block
 
 
 def _mlp():
