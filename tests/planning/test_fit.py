@@ -178,3 +178,21 @@ def test_no_budget_on_cuda_fits_the_free_memory():
     plan = remat.auto(model, x, None, repeat=1, warmup=0)
     remat.remove(model)
     assert plan.budget_bytes == budget and not plan.checkpointed  # this small model fits any GPU
+
+
+def test_a_real_profile_that_runs_out_of_memory_leaves_auto_on_the_fake_one(monkeypatch):
+    from remat.planning import apply as apply_module
+
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    profile = apply_module.make_profile
+
+    def real_out_of_memory(*args, **kwargs):
+        if not kwargs.get("fake"):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(apply_module, "make_profile", real_out_of_memory)
+    plan = remat.auto(model, x, 1.0, repeat=1, warmup=0)  # the step without checkpointing fits the budget
+    assert not plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())

@@ -7,6 +7,7 @@ Blocks are checkpointed by giving the module an instance-level ``forward``
 
 from __future__ import annotations
 
+import gc
 import logging
 import warnings
 from dataclasses import replace
@@ -20,6 +21,7 @@ from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._fine import FINE, inner_layers
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._loop import Loop, make_loop
+from remat.core._memtrack import empty_device_cache
 from remat.core._user_errors import require_module
 from remat.core.measure import device_of
 from remat.errors import RematError
@@ -181,8 +183,8 @@ def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
 # price is step times from the roofline rather than measured ones. Verification then
 # starts with the lowest-peak plan (NOTE [The step verified plans are compared with])
 # and a step that runs out of memory is a plan over the budget (NOTE [Out of memory is
-# an answer]). A model fake tensors cannot run is profiled for real, as before, and
-# the log says so. Compiled verification (``compiled=``) measures the compiled step
+# an answer]); so is a real profile that runs out of memory (auto plans on the fake one).
+# A model fake tensors cannot run is profiled for real, as before, and the log says so. Compiled verification (``compiled=``) measures the compiled step
 # without checkpointing first and is left as it was.
 def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool,
                     profile_options: dict) -> Any:
@@ -196,7 +198,14 @@ def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fi
         log.info("remat.auto: fake tensors cannot run this model (%s): profiled on real tensors.", exc)
         return make_profile(model, inputs, loss_fn, **profile_options)
     if fake.baseline_peak_bytes <= parse_budget(budget, fake.baseline_peak_bytes):
-        return make_profile(model, inputs, loss_fn, **profile_options)
+        try:
+            return make_profile(model, inputs, loss_fn, **profile_options)
+        except torch.OutOfMemoryError as exc:  # NOTE [Out of memory is an answer]; the profile restored the model
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        gc.collect()
+        empty_device_cache()
+        log.warning("remat.auto: the real profile ran out of device memory (%s): planned on fake tensors.", reason)
+        return fake
     log.info("remat.auto: the step without checkpointing (%s) is over the budget: planned on fake tensors.",
              human_bytes(fake.baseline_peak_bytes))
     return fake
