@@ -161,7 +161,7 @@ def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(fraction):
 
 def test_no_budget_off_cuda_is_refused_with_the_fix():
     model, x, _ = _mlp()
-    with pytest.raises(remat.RematError, match="budget=None fits the plan to the GPU.*pass a budget"):
+    with pytest.raises(remat.RematError, match="budget=None fits the plan to the GPU.*pass a budget: a fraction"):
         remat.auto(model, x, None, repeat=1, warmup=0)
     assert not any("forward" in m.__dict__ for m in model.modules())
 

@@ -27,6 +27,7 @@ from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._put import put, remove
 from remat.planning._verify import Findings, Unreachable, verified_plan
+from remat.planning.plan import _ACCEPTED as ACCEPTED_BUDGETS
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._format import human_bytes
@@ -224,8 +225,7 @@ def _budget_of_device(model: nn.Module, inputs: Any) -> int:
     if device.type != "cuda":
         raise RematError(
             f"remat.auto: budget=None fits the plan to the GPU the model is on, but it is on {device}, whose free "
-            "memory remat cannot read; pass a budget: bytes such as '8GiB', or a fraction of the step's peak "
-            "without checkpointing such as 0.6."
+            f"memory remat cannot read; pass a budget: {ACCEPTED_BUDGETS}."
         )
     free, _ = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_allocated(device)
