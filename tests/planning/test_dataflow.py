@@ -125,7 +125,9 @@ def test_auto_never_returns_a_plan_over_budget(shared, budget):
         measured = _measured_peak(model, _x())
         assert plan.verified and plan.measured_peak_bytes == measured <= plan.budget_bytes
         assert plan.budget_bytes == unverified.budget_bytes
-        assert any("equal the step without checkpointing (bit for bit)" in n for n in plan.notes)
+        # below the step without checkpointing, the reference is the lowest one-level plan's step
+        assert any("equal the step of the lowest-peak one-level plan" in n and "(bit for bit)" in n
+                   for n in plan.notes)
         if any("re-planned" in n for n in plan.notes):  # the first plan's prediction was too low
             assert "re-planned with a margin" in plan.notes[0] and "Measured peak" in plan.summary()
     finally:
@@ -139,6 +141,10 @@ def test_auto_without_verify_is_the_plain_plan(shared):
     assert plan.measured_peak_bytes is None and not plan.verified and plan.notes == ()
     # The plain plan for the budget (auto profiled again: its times, so its choice, may differ).
     assert plan.budget_bytes == remat.plan(prof, 0.5).budget_bytes and plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def _one_level_floor(prof: remat.Profile) -> int:
+    return remat.plan(prof, strategy="none", nested=False).min_peak_bytes
 
 
 def _fake_measure(monkeypatch: pytest.MonkeyPatch, error: int, seen: list) -> None:
@@ -159,7 +165,9 @@ def test_replanning_uses_the_measured_error_as_margin(shared, monkeypatch):
     _fake_measure(monkeypatch, error, seen)
     plan = remat.auto(model, _x(), 0.8, repeat=1, warmup=0)
     remat.remove(model)
-    assert seen[:2] == [limit, limit - error]  # the plan for the budget, then one with the error as margin
+    # the reference (the lowest one-level plan: its budget is its peak), the plan for the budget, then one with
+    # the error as margin
+    assert seen[:3] == [_one_level_floor(prof), limit, limit - error]
     assert plan.measured_peak_bytes == plan.predicted_peak_bytes + error <= limit
     assert len(plan.notes) == len(seen) - 1 >= 1
 
@@ -175,7 +183,7 @@ def test_refusal_names_the_measured_lowest_peak_and_leaves_the_model_as_it_was(s
     measured = int(re.search(r"at least (\d+) bytes", str(err.value)).group(1))
     assert measured == remat.plan(prof, lowest).predicted_peak_bytes + 10**9
     # The plan for the budget; its margin leaves no plan above the minimum, so the lowest-peak plan.
-    assert seen == [remat.plan(prof, 0.9).budget_bytes, lowest]
+    assert seen == [_one_level_floor(prof), remat.plan(prof, 0.9).budget_bytes, lowest]
     assert all(remat.is_wrapped(m) is None for m in model.modules())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 

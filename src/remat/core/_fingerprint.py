@@ -23,7 +23,7 @@ from torch import nn
 __all__ = ["Fingerprint", "fingerprint"]
 
 #: Elements summarised at a time, so that the int64 copies stay small beside the tensor.
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Relative tolerance of the sums where kernels are not deterministic, by element size.
 _RTOL = {1: 1e-2, 2: 1e-2, 4: 1e-4, 8: 1e-8}

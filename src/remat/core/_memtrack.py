@@ -207,6 +207,16 @@ class CudaAllocator:
         return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
+def empty_device_cache() -> None:
+    """Hand the CUDA caching allocator's unused blocks back to the device (a no-op before CUDA is used).
+
+    After a step ran out of memory its tensors are freed into the allocator's cache, where
+    they stay reserved: the next, smaller step would run out beside them.
+    """
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def allocator_peak(fn: Callable[[], T]) -> tuple[int, T]:
     """Most bytes the CPU allocator had handed out at once while ``fn()`` ran, above the start, and what
     ``fn`` returned.

@@ -24,6 +24,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+# NOTE [Snapshots a step without an optimizer needs]
+# On the CPU the snapshot sits in the memory the step runs in: a copy of every parameter
+# is as much again as the model, and a budget that the step alone would meet is missed
+# by it (remat.auto's NOTE [Within the budget]). A training step without an optimizer
+# changes gradients, buffers and the RNG, never the parameters' values, so the callers
+# that run such steps (auto's verification) leave the values out.
+
 import torch
 from torch import nn
 
@@ -49,7 +56,8 @@ class ModelState:
     """Everything :func:`capture` saw; :meth:`restore` puts it back in place (same tensor objects)."""
 
     model: nn.Module
-    params: dict[str, tuple[torch.Tensor, torch.Tensor | None, bool]]
+    params: dict[str, tuple[torch.Tensor | None, torch.Tensor | None, bool]]
+    """Per parameter: (its data, None where not copied; its gradient; ``requires_grad``)."""
     buffers: dict[str, torch.Tensor | None]
     training: dict[str, bool]
     cpu_rng: torch.Tensor
@@ -85,9 +93,11 @@ class ModelState:
         if name not in self.params:
             raise RematError("the step registered it; it did not exist before")
         data, grad, requires_grad = self.params[name]
-        if p.shape != data.shape or p.dtype != data.dtype:
-            raise RematError(f"the step made it {tuple(p.shape)} {p.dtype}, it was {tuple(data.shape)} {data.dtype}")
-        p.copy_(data)
+        if data is not None:  # None: not captured, the step does not change it
+            if p.shape != data.shape or p.dtype != data.dtype:
+                raise RematError(
+                    f"the step made it {tuple(p.shape)} {p.dtype}, it was {tuple(data.shape)} {data.dtype}")
+            p.copy_(data)
         # a copy: on the CPU .to() would hand out the snapshot itself, and a step that
         # accumulates into p.grad in place (NOTE [The step a loop repeats]) would change it
         p.grad = None if grad is None else grad.to(p.device, copy=True)
@@ -109,10 +119,12 @@ class ModelState:
                 if name not in now]
 
 
-def capture(model: nn.Module, api: str = "remat") -> ModelState:
-    """Snapshot ``model`` and the RNG streams (to CPU memory); ``api`` names the caller in restore errors."""
+def capture(model: nn.Module, api: str = "remat", *, parameters: bool = True) -> ModelState:
+    """Snapshot ``model`` and the RNG streams (to CPU memory); ``api`` names the caller in restore errors;
+    ``parameters=False`` leaves out the parameters' values, for steps that do not change them (NOTE [Snapshots
+    a step without an optimizer needs])."""
     params = {
-        name: (_copy(p), _copy(p.grad), p.requires_grad)
+        name: (_copy(p) if parameters else None, _copy(p.grad), p.requires_grad)
         for name, p in model.named_parameters(remove_duplicate=False)
     }
     buffers = {name: _copy(b) for name, b in model.named_buffers(remove_duplicate=False)}

@@ -21,10 +21,23 @@ the CPU or with deterministic algorithms, within a tolerance elsewhere). A neste
 plan that differs is replaced by its one-level twin; a one-level plan that differs is
 refused with a RematError naming the blocks whose gradients differ. The plan's notes
 say what was compared.
+
+NOTE [The step verified plans are compared with]
+The step without checkpointing is the reference only when it fits the budget; a budget
+below its peak is the reason to checkpoint, and auto holds no more than the budget
+(NOTE [Within the budget] in remat.planning.apply). Below it, the reference is the
+lowest-peak one-level plan (every block at its lowest policy, ``full`` mostly): torch's
+checkpoint replays the RNG, so on blocks that recompute the same function it computes
+the un-checkpointed step's loss and gradients bit for bit. It is measured first, before
+any faster plan (the low-memory side first): if even it runs out of device memory, no
+plan can be verified and auto raises. When only nested plans reach the budget it is
+still run, over the budget, since a nested segment that computes another function
+cannot be told apart without it (the one case auto holds more than the budget).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,6 +47,7 @@ from torch import nn
 
 from remat.core._fingerprint import Fingerprint, fingerprint
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
+from remat.core._memtrack import empty_device_cache
 from remat.core._segment import NotAChain
 from remat.core._state import capture, restoring
 from remat.core._user_errors import model_errors
@@ -44,7 +58,7 @@ from remat.planning._put import put, remove
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._format import human_bytes
 
-__all__ = ["Findings", "Unreachable", "verified_plan"]
+__all__ = ["Findings", "OutOfMemory", "Unreachable", "verified_plan"]
 
 log = logging.getLogger("remat")
 
@@ -54,6 +68,21 @@ REPLANS = 2
 
 class Unreachable(RematError):
     """No plan on this profile reaches the budget (predicted, or measured by auto's verification)."""
+
+
+class OutOfMemory(RematError):
+    """A step auto ran did not fit the device (NOTE [Out of memory is an answer])."""
+
+
+# NOTE [Out of memory is an answer]
+# A step that raises torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same
+# class) was over the memory the device has, which for auto means over the budget: it is
+# a measurement, not a failure of the model. The step's snapshot puts parameters,
+# gradients, buffers, RNG and optimizer back, the failed step's tensors are collected and
+# the CUDA allocator's cache emptied (its blocks would crowd the next step), and auto
+# tries a lower plan: halfway from the failed plan's predicted peak to the lowest peak,
+# then the lowest-peak plan, then a RematError with the numbers. The plan is taken off
+# the model whatever happens (NOTE [Within the budget] in remat.planning.apply).
 
 
 @dataclass
@@ -66,14 +95,35 @@ class Findings:
     """The step without checkpointing, summarised (NOTE [A verified plan trains the same function])."""
     notes: list[str] = field(default_factory=list)
     """What was found, for the plan's notes."""
+    compared_with: str = "the step without checkpointing"
+    """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
 
 
 def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None,
               loop: Loop = NO_LOOP) -> tuple[int, Fingerprint | None]:
     """(peak, summary of what the step computed) of one real step of ``loop`` with ``plan`` applied, in the
-    plan's mode (compiled with ``backend`` if given, then without a summary); model and optimizer restored."""
+    plan's mode (compiled with ``backend`` if given, then without a summary); model and optimizer restored.
+    A step that runs out of device memory raises :class:`OutOfMemory` (NOTE [Out of memory is an answer])."""
+    try:
+        return _step(model, inputs, loss_fn, plan, backend, loop)
+    except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is the same class
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+    # the failed step's tensors are garbage now: free them, then give the allocator's cache back
+    gc.collect()
+    empty_device_cache()
+    checkpointed = ", ".join(sorted(plan.checkpointed)) or "none"
+    raise OutOfMemory(
+        f"remat.auto: a step with blocks {checkpointed} checkpointed (predicted peak "
+        f"{human_bytes(plan.predicted_peak_bytes)}) ran out of device memory ({reason}); the model was restored."
+    )
+
+
+def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None,
+          loop: Loop) -> tuple[int, Fingerprint | None]:
     put(model, plan)
-    state, optimizer_state = capture(model, "remat.auto"), OptimizerSnapshot(loop.optimizer, "remat.auto")
+    # NOTE [Snapshots a step without an optimizer needs]
+    state = capture(model, "remat.auto", parameters=loop.optimizer is not None)
+    optimizer_state = OptimizerSnapshot(loop.optimizer, "remat.auto")
     with restoring("remat.auto", state.restore, optimizer_state.restore), \
             model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
         if plan.training is not None:
@@ -108,11 +158,15 @@ class _Candidates:
     """
 
     def __init__(self, model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str | None,
-                 findings: Findings, loop: Loop) -> None:
+                 findings: Findings, loop: Loop, limit: int | None = None) -> None:
         self.model, self.inputs, self.loss_fn, self.prof, self.backend = model, inputs, loss_fn, prof, backend
         self.loop = loop
         self.findings = findings
-        self.tried: list[tuple[Plan, int]] = []
+        self.limit = limit
+        self.tried: list[tuple[Plan, int | None]] = []
+        """Plans measured and their peaks (None: the step ran out of device memory)."""
+        self.reference_plan: Plan | None = None
+        """The plan whose step verified plans are compared with (None: the step without checkpointing)."""
 
     @property
     def nested(self) -> bool:
@@ -125,13 +179,22 @@ class _Candidates:
         """The plan at the lowest peak any plan reaches (the nested floor while nesting)."""
         return self.plan(make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes)
 
-    def measure(self, plan: Plan) -> tuple[Plan, int]:
-        """(the plan measured, its peak): ``plan``, or its one-level twin if its segments cannot run."""
+    def floor(self) -> int:
+        """The lowest peak any plan is predicted to reach (nested ones while nesting)."""
+        return make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes
+
+    def measure(self, plan: Plan) -> tuple[Plan, int | None]:
+        """(the plan measured, its peak; None if it ran out of device memory): ``plan``, or its one-level twin
+        if its segments cannot run."""
         same = [m for p, m in self.tried if (p.assignment, p.segments) == (plan.assignment, plan.segments)]
         if same:
             return plan, same[0]
         try:
             measured, summary = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend, self.loop)
+        except OutOfMemory as err:  # NOTE [Out of memory is an answer]
+            log.info("%s", err)
+            self.tried.append((plan, None))
+            return plan, None
         except RematError as err:
             if not plan.segments:
                 raise
@@ -148,7 +211,7 @@ class _Candidates:
             remove(self.model)
             raise RematError(
                 f"remat.auto: with blocks {', '.join(sorted(plan.checkpointed))} checkpointed, the verified step's "
-                f"{_what(differ)} differed from the step without checkpointing (first: {differ[0]}"
+                f"{_what(differ)} differed from {self.findings.compared_with} (first: {differ[0]}"
                 f"{'; gradients of ' + ', '.join(blocks) if blocks else ''}), so the plan would train another "
                 "function. The model was left without checkpointing. Check these blocks for randomness torch's "
                 "generators do not drive, or Python state their forward changes, then call again; "
@@ -157,7 +220,7 @@ class _Candidates:
         self.tried.append((plan, measured))
         return plan, measured
 
-    def _one_level(self, plan: Plan, note: str) -> tuple[Plan, int]:
+    def _one_level(self, plan: Plan, note: str) -> tuple[Plan, int | None]:
         self.findings.nested = False
         self.findings.notes.append(note)
         log.info("remat.auto: %s", note)
@@ -167,23 +230,45 @@ class _Candidates:
             twin = self.lowest()
         return self.measure(twin)
 
+    def reference(self, plan: Plan) -> Fingerprint | None:
+        """What the step verified plans are compared with computes (NOTE [The step verified plans are compared
+        with]), measured once; raises OutOfMemory if even it did not fit the device."""
+        if self.findings.reference is not None:
+            return self.findings.reference
+        keep = replace(plan, assignment={name: "keep" for name in plan.assignment}, segments=())
+        if self.limit is not None and self.prof.baseline_peak_bytes > self.limit:
+            keep = make_plan(self.prof, make_plan(self.prof, strategy="none", nested=False).min_peak_bytes,
+                             nested=False)
+            self.findings.compared_with = f"the step of the lowest-peak one-level plan ({_policies(keep)})"
+            self.findings.notes.append(
+                f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
+                f"the budget: verified plans were compared with {self.findings.compared_with} instead.")
+        self.reference_plan = keep
+        measured, reference = _measured(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
+        self.tried.append((keep, measured))
+        self.findings.reference = reference
+        return reference
+
     def _differences(self, plan: Plan, summary: Fingerprint | None) -> list[str]:
         if summary is None or not plan.checkpointed:
             return []
-        reference = self.findings.reference
-        if reference is None:
-            keep = replace(plan, assignment={name: "keep" for name in plan.assignment}, segments=())
-            _, reference = _measured(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
-            self.findings.reference = reference
+        reference = self.reference(plan)
         device = device_of(self.model, self.inputs)
         exact = device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
         differ = [] if reference is None else reference.differences(summary, exact=exact)
         if not differ:
             same = "bit for bit" if exact else "within the tolerance of non-deterministic kernels"
-            note = f"Verified: loss, gradients and buffers equal the step without checkpointing ({same})."
+            note = f"Verified: loss, gradients and buffers equal {self.findings.compared_with} ({same})."
             if note not in self.findings.notes:
                 self.findings.notes.append(note)
         return differ
+
+
+def _policies(plan: Plan) -> str:
+    counts: dict[str, int] = {}
+    for policy in plan.assignment.values():
+        counts[policy] = counts.get(policy, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in counts.items())
 
 
 def _spans(plan: Plan) -> str:
@@ -234,13 +319,15 @@ def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
         findings.nested = False  # nested regions are not modelled (nor tested) under compile
     execution = "eager" if backend is None else "compiled"
     limit = parse_budget(budget, baseline)
-    candidates = _Candidates(model, inputs, loss_fn, prof, backend, findings, loop)
+    candidates = _Candidates(model, inputs, loss_fn, prof, backend, findings, loop, None if backend else limit)
 
     def accept(plan: Plan, measured: int) -> Plan:
         put(model, plan)  # the last step measured may have been another plan's (the reference, a cached one)
         return replace(plan, budget_bytes=limit, measured_peak_bytes=measured,
                        notes=tuple(notes + findings.notes), execution=execution)
 
+    if backend is None and baseline > limit:
+        _reference_first(candidates, limit)  # NOTE [The step verified plans are compared with]
     target, margin = limit, 0
     for _ in range(REPLANS + 1):
         try:
@@ -248,26 +335,60 @@ def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
         except RematError:
             break  # the margin leaves no plan: only the lowest-peak plan is left to try
         candidate, measured = candidates.measure(candidate)
-        if measured <= limit:
+        if measured is not None and measured <= limit:
             return accept(candidate, measured)
         predicted = int(candidate.predicted_peak_bytes / scale)
-        margin = max(margin, measured - predicted)
-        notes.append(
-            f"A plan predicted at {human_bytes(predicted)} measured "
-            f"{human_bytes(measured)}, over the budget: re-planned with a margin of {human_bytes(margin)}."
-        )
+        if measured is None:  # NOTE [Out of memory is an answer]
+            target = min(target, (int(candidates.floor() / scale) + predicted) // 2)
+            notes.append(f"A plan predicted at {human_bytes(predicted)} ran out of device memory in its step: "
+                         f"re-planned for {human_bytes(target)}.")
+        else:
+            margin = max(margin, measured - predicted)
+            target = limit - margin
+            notes.append(
+                f"A plan predicted at {human_bytes(predicted)} measured "
+                f"{human_bytes(measured)}, over the budget: re-planned with a margin of {human_bytes(margin)}."
+            )
         log.warning("remat.auto: %s", notes[-1])
-        target = limit - margin
     # The lowest peak of any plan, nested ones included (remat.plan reaches its own min_peak_bytes).
     lowest, measured = candidates.measure(candidates.lowest())
-    if measured <= limit:
+    if measured is not None and measured <= limit:
         notes.append("The lowest-peak plan fits the budget.")
         return accept(lowest, measured)
     remove(model)
-    raise Unreachable(
+    predicted = int(lowest.predicted_peak_bytes / scale)
+    if measured is None:
+        found = f"ran out of device memory in a real step (predicted {human_bytes(predicted)})"
+    else:
+        found = (f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "
+                 f"{human_bytes(predicted)})")
+    raise _unreachable(limit, prof, execution, found, predicted if measured is None else measured, baseline)
+
+
+def _reference_first(candidates: _Candidates, limit: int) -> None:
+    """Before any other step, refuse a budget below every plan's predicted peak, then measure the step verified
+    plans are compared with (the low-memory side first); Unreachable if it does not fit the device."""
+    prof, floor = candidates.prof, candidates.floor()
+    if floor > limit:  # no step runs: each would be over the budget
+        remove(candidates.model)
+        raise _unreachable(limit, prof, "eager", f"is predicted at {human_bytes(floor)} ({floor} bytes)", floor)
+    try:
+        candidates.reference(candidates.plan(floor))
+    except OutOfMemory:
+        remove(candidates.model)
+        predicted = candidates.reference_plan.predicted_peak_bytes
+        raise _unreachable(limit, prof, "eager", (
+            f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
+            f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)})"),
+            predicted) from None
+
+
+def _unreachable(limit: int, prof: Any, execution: str, found: str, fix: int,
+                 baseline: int | None = None) -> Unreachable:
+    baseline = prof.baseline_peak_bytes if baseline is None else baseline
+    return Unreachable(
         f"remat.auto: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the "
         f"{human_bytes(baseline)} {execution} peak without checkpointing) cannot be met: the lowest-peak plan "
-        f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "
-        f"{human_bytes(int(lowest.predicted_peak_bytes / scale))}). Raise the budget to at least {measured} bytes, "
-        "or lower the batch size / sequence length." + prof.held_by_loop()
+        f"{found}. Raise the budget to at least {fix} bytes, or lower the batch size / sequence length."
+        + prof.held_by_loop()
     )

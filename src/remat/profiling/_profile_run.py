@@ -193,7 +193,9 @@ def run_profile(
     loop: Loop = NO_LOOP,
 ) -> Profile:
     """Profile on real tensors (see ``remat.profiling.profile.profile`` for the arguments)."""
-    original, grads = capture(model, "remat.profile"), InputGrads(inputs)
+    # NOTE [Snapshots a step without an optimizer needs]
+    changes_parameters = loop.optimizer is not None
+    original, grads = capture(model, "remat.profile", parameters=changes_parameters), InputGrads(inputs)
     optimizer_state = OptimizerSnapshot(loop.optimizer, "remat.profile")
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
@@ -205,7 +207,7 @@ def run_profile(
             original.restore()
         loop.steady(model, inputs, loss_fn)  # NOTE [The step a loop repeats]: every step starts from here
         # a second snapshot only if steady changed the model
-        state = original if loop == NO_LOOP else capture(model, "remat.profile")
+        state = original if loop == NO_LOOP else capture(model, "remat.profile", parameters=changes_parameters)
         traced: dict[str, list[Segment]] = {}
         io_bytes: dict[str, tuple[int, int]] = {}
         resting: dict[str, int] = {}

@@ -1,0 +1,82 @@
+"""A simulated device for tests: a memory capacity on the CPU, for code that must fit a GPU without one.
+
+NOTE [The simulated device counts every storage]
+``SimulatedDevice(capacity, resting=...)`` is a dispatch mode that counts the bytes of every
+real tensor storage alive while it is entered, as ``remat.core._memtrack.StorageTracker``
+does (a storage is counted once, from the op that made it, or first showed it, until its
+Python object is finalised), but unlike the tracker it counts the storages alive before it
+was entered too: those in ``resting`` (parameters, inputs) from the start, any other the
+first time an op sees it. An op whose new storages would take the live bytes past
+``capacity`` raises ``torch.OutOfMemoryError``, as CUDA's allocator does, with its output
+dropped. ``peak`` is the most bytes it admitted at once. Fake and meta tensors hold no memory
+and are not counted; remat's own dispatch modes, entered inside it, send their ops through it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from remat.core._memtrack import storages
+
+
+class SimulatedDevice(TorchDispatchMode):
+    """A device of ``capacity`` bytes (NOTE [The simulated device counts every storage])."""
+
+    def __init__(self, capacity: int, resting: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.live: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.current = 0
+        self.peak = 0
+        self.refused = 0
+        """How many ops it refused (each raised an OutOfMemoryError)."""
+        for t in resting:
+            self._admit(self._new(t))
+
+    def _freed(self, key: int, _ref: weakref.ref) -> None:
+        self.current -= self.live.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _new(self, t: Any) -> list[torch.UntypedStorage]:
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type == "meta":
+            return []
+        return [st for st in storages(t) if st._cdata not in self.live]
+
+    def _admit(self, new: list[torch.UntypedStorage]) -> None:
+        for st in new:
+            if st._cdata in self.live:
+                continue
+            self.live[st._cdata] = st.nbytes()
+            self._refs[st._cdata] = weakref.ref(st, lambda r, k=st._cdata: self._freed(k, r))
+            self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        seen = [st for t in tree_flatten((args, kwargs))[0] for st in self._new(t)]
+        self._admit(seen)  # alive before this op: counted whatever the op does
+        out = func(*args, **kwargs)
+        new = {st._cdata: st for t in tree_flatten(out)[0] for st in self._new(t)}
+        grow = sum(st.nbytes() for st in new.values())
+        if self.current + grow > self.capacity:
+            self.refused += 1
+            del out, new
+            raise torch.OutOfMemoryError(
+                f"SimulatedDevice: {func} would take live bytes to {self.current + grow} (capacity {self.capacity})"
+            )
+        self._admit(list(new.values()))
+        return out
+
+
+def resting(model: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """What sits on the device before a call: parameters, buffers, gradients, inputs."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [*model.parameters(), *model.buffers(), *grads, *inputs]

@@ -1,0 +1,198 @@
+"""remat.auto on a device its un-checkpointed step does not fit: it never holds more than the budget.
+
+NOTE [Within the budget] in remat.planning.apply, NOTE [Out of memory is an answer] and
+NOTE [The step verified plans are compared with] in remat.planning._verify; the simulated
+device in tests/_device.py.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core._step import input_tensors
+from remat.planning import _verify as verify_module
+from remat.zoo import build
+
+from _device import SimulatedDevice, resting
+from conftest import SMALL
+from test_verify import Block
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(6))), torch.randn(32, 32, 32), None
+
+
+def _gpt2():
+    zoo = build("gpt2", **SMALL["gpt2"])
+    return zoo.model, zoo.inputs, zoo.loss_fn
+
+
+def _loss(model, inputs, loss_fn):
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    if loss_fn is not None:
+        return loss_fn(out)
+    return out.loss if hasattr(out, "loss") else out.square().mean()
+
+
+def _grads(model, inputs, loss_fn):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    _loss(model, inputs, loss_fn).backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+@pytest.mark.parametrize("build_model", [_mlp, _gpt2], ids=["mlp-chain", "gpt2"])
+def test_auto_fits_a_device_the_step_without_checkpointing_does_not(build_model, fraction):
+    model, inputs, loss_fn = build_model()
+    keep = remat.measure(model, inputs, loss_fn, warmup=0, repeat=1).peak_bytes
+    reference = _grads(model, inputs, loss_fn)
+    budget = int(fraction * keep)
+    device = SimulatedDevice(budget, resting(model, *input_tensors(inputs)))
+    with device:
+        plan = remat.auto(model, inputs, budget, loss_fn=loss_fn, repeat=1, warmup=0)
+    try:
+        assert plan.checkpointed and device.peak <= budget, (device.peak, budget)
+        assert plan.measured_peak_bytes <= budget
+        assert remat.measure(model, inputs, loss_fn, warmup=0, repeat=1).peak_bytes <= budget
+        assert any("compared with the step of the lowest-peak one-level plan" in n for n in plan.notes)
+        got = _grads(model, inputs, loss_fn)
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)
+
+
+def test_fake_and_real_profiles_agree_to_the_byte_on_the_cpu():
+    for model, inputs, loss_fn in (_mlp(), _gpt2()):
+        real = remat.profile(model, inputs, loss_fn, repeat=1, warmup=0)
+        fake = remat.profile(model, inputs, loss_fn, fake=True, target="cpu")
+        names = [b.name for b in real.blocks]
+        for policy in ("keep", "selective", "full"):
+            assignment = {n: policy for n in names}
+            assert real.predict_peak(assignment) == fake.predict_peak(assignment), policy
+
+
+def test_auto_goes_lower_when_a_verification_step_runs_out_of_memory(monkeypatch):
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    measure_peak = verify_module.measure_peak
+    calls, failed = [], []
+
+    def out_of_memory_once(model, inputs, loss_fn, loop):
+        calls.append(1)
+        if len(calls) == 2:  # the first step is the reference's, the second the fastest plan's
+            failed.append({n: remat.is_wrapped(m) or "keep" for n, m in model.named_children()})
+            model(inputs).square().mean().backward()  # gradients and activations made, then the device is full
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return measure_peak(model, inputs, loss_fn, loop)
+
+    monkeypatch.setattr(verify_module, "measure_peak", out_of_memory_once)
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    plan = remat.auto(model, x, int(0.8 * keep), repeat=1, warmup=0)
+    try:
+        assert failed and any("ran out of device memory" in n for n in plan.notes)
+        assert plan.assignment != failed[0] and plan.measured_peak_bytes <= int(0.8 * keep)
+        assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+        assert torch.equal(rng, torch.get_rng_state())
+    finally:
+        remat.remove(model)
+
+
+def test_auto_raises_with_the_numbers_when_no_plan_fits_the_device():
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prof = remat.profile(model, x, fake=True, target="cpu")
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    device = SimulatedDevice(floor - 1, resting(model, x))
+    with device, pytest.raises(remat.RematError, match="cannot be met") as err:
+        remat.auto(model, x, floor - 1, repeat=1, warmup=0)
+    assert str(floor) in str(err.value) and device.peak <= floor - 1
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_plan_the_device_refuses_in_its_step_leaves_the_model_restored():
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    prof = remat.profile(model, x, fake=True, target="cpu")
+    floor = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    # the device is smaller than the budget: the plans predicted within the budget run out of memory
+    device = SimulatedDevice((floor + 3 * keep) // 4 - 1, resting(model, x))
+    with device:
+        plan = remat.auto(model, x, int(0.9 * keep), repeat=1, warmup=0)
+    try:
+        assert device.refused and any("ran out of device memory" in n for n in plan.notes)
+        assert device.peak <= device.capacity
+    finally:
+        remat.remove(model)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(fraction):
+    zoo = build("gpt2", **{**SMALL["gpt2"], "batch": 8})
+    model, inputs = zoo.model.cuda(), {k: v.cuda() for k, v in zoo.inputs.items()}
+    keep = remat.measure(model, inputs, warmup=0, repeat=1).peak_bytes
+    reference = _grads(model, inputs, None)
+    budget = int(fraction * keep)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_per_process_memory_fraction(budget / total)
+    try:
+        plan = remat.auto(model, inputs, budget, repeat=1, warmup=0)
+        assert torch.cuda.max_memory_allocated() <= budget
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    try:
+        assert plan.checkpointed and plan.measured_peak_bytes <= budget
+        got = _grads(model, inputs, None)
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)
+
+
+def test_no_budget_off_cuda_is_refused_with_the_fix():
+    model, x, _ = _mlp()
+    with pytest.raises(remat.RematError, match="budget=None fits the plan to the GPU.*pass a budget: a fraction"):
+        remat.auto(model, x, None, repeat=1, warmup=0)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_budget_on_cuda_fits_the_free_memory():
+    from remat.planning.apply import _budget_of_device
+
+    model, x, _ = _mlp()
+    model, x = model.cuda(), x.cuda()
+    free, _ = torch.cuda.mem_get_info()
+    budget = _budget_of_device(model, x)
+    assert torch.cuda.memory_allocated() < budget <= torch.cuda.memory_allocated() + free + torch.cuda.memory_reserved()
+    plan = remat.auto(model, x, None, repeat=1, warmup=0)
+    remat.remove(model)
+    assert plan.budget_bytes == budget and not plan.checkpointed  # this small model fits any GPU
+
+
+def test_a_real_profile_that_runs_out_of_memory_leaves_auto_on_the_fake_one(monkeypatch):
+    from remat.planning import apply as apply_module
+
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    profile = apply_module.make_profile
+
+    def real_out_of_memory(*args, **kwargs):
+        if not kwargs.get("fake"):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(apply_module, "make_profile", real_out_of_memory)
+    plan = remat.auto(model, x, 1.0, repeat=1, warmup=0)  # the step without checkpointing fits the budget
+    assert not plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
