@@ -31,7 +31,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_module
+from remat.core._by_module import StructureRecorder, by_module_allowed, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, Stacked
 from remat.core._region import Region
@@ -215,7 +215,8 @@ def _run_checkpointed(
     if nested:
         region.release_inputs()
     if recorder is not None:
-        remember_structure(recorder.structure())
+        structure = recorder.structure()
+        remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
 
 

@@ -18,6 +18,7 @@ from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, t
 from remat.core._state import capture
 from remat.core._step import LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
+from remat.core._by_module import learned_at_exit
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, forget_structure, wrap
 from remat.core.measure import device_of, resting_tensors
@@ -88,7 +89,7 @@ def traced_step(
     tracker = StorageTracker(known=resting_tensors(model, inputs, loop))
     recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace,
                                allocator=allocator, clock=clock_for(device))
-    with recorder, tracker:
+    with recorder, tracker, learned_at_exit():  # NOTE [Learning kept until the step ends]
         _run_step(model, inputs, loss_fn, recorder, loop)
     resting = allocator.base if allocator is not None else storage_bytes(resting_tensors(model, inputs, loop))
     return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
