@@ -55,6 +55,7 @@ class _Needs(_Recursion):
         needs = [np.where(self.inside | top, by_policy, _NEVER)]  # NOTE [Selective caches inside a segment]
         times = [self.c.chain.extra_s[s] + rest_t]
         ks = np.arange(s + 2, stop + 1)
+        ks = ks[self.span_ok[s, ks]]
         if len(ks):
             kept = self.kept[s, ks]
             below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta

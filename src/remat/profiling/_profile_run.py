@@ -177,6 +177,7 @@ def _block_profiles(
                 fwd_flops=sum(flops["keep"][k] for k in fwd_keys),
                 bwd_flops={p: sum(flops[p][k] for k in bwd_keys) for p in policies},
                 calls=len(fwd_keys),
+                writes_input=any(keep_segments[k].writes_input for k in fwd_keys),
             )
         )
     return tuple(out)
@@ -289,13 +290,19 @@ def _assemble(
     }
     keep = traced["keep"]
     params = list(model.parameters())
+    blocks = _block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute)
+    writers = [b.name for b in blocks if b.writes_input]
+    if writers:
+        notes = [*notes, f"blocks {', '.join(writers[:4])}{' ...' if len(writers) > 4 else ''} write their input in "
+                         "place: nested plans leave them and the blocks before them out of segments (NOTE [Inputs "
+                         "written in place inside a segment] in remat.planning._nested)."]
     step_time = (
         sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
     )
     return Profile(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
-        blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
+        blocks=blocks,
         resting_bytes=storage_bytes(resting_tensors(model, inputs)) + loop_bytes[0] + extra_resting,
         param_bytes=storage_bytes(params),
         grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
