@@ -11,7 +11,7 @@ import remat
 from remat.core._state import capture
 from remat.profiling._blocks import find_blocks
 from remat.zoo import build
-from conftest import SMALL, assert_state_equal, measure_assignment
+from conftest import SMALL, assert_state_equal, measure_assignment, measure_wrapped
 
 
 @pytest.fixture(scope="module")
@@ -228,12 +228,7 @@ def test_blocks_that_begin_with_an_in_place_relu_profile_under_every_policy():
     bad = []
     for pick in ("kkk", "sss", "ooo", "fff", "ksf", "sof", "fok", "osk"):
         assignment = {name: short[c] for name, c in zip("123", pick)}
-        for name, policy in assignment.items():
-            remat.wrap(model.get_submodule(name), policy=policy)
-        try:
-            measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
-        finally:
-            remat.remove(model)
+        measured = measure_wrapped(model, x, assignment).peak_bytes
         if prof.predict_peak(assignment) != measured:
             bad.append((pick, prof.predict_peak(assignment), measured))
     assert not bad

@@ -10,6 +10,8 @@ from remat.core.checkpoint import _STRUCTURES
 from remat.profiling._schedule import trace_schedule
 from remat.zoo import build
 
+from conftest import measure_wrapped
+
 
 def test_schedule_learns_in_selective_ops_trace_only_when_both_are_profiled():
     assert trace_schedule(("keep", "selective", "selective-ops", "full")) == [
@@ -82,10 +84,4 @@ def test_selective_ops_of_a_block_called_twice_is_traced_op_level_on_both_calls(
     model, x = _SharedTwice(), torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
     prof = remat.profile(model, x, warmup=0, repeat=1)
     assignment = {"first": others, "shared": "selective-ops", "last": others}
-    for name, policy in assignment.items():
-        remat.wrap(model.get_submodule(name), policy=policy)
-    try:
-        measured = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
-    finally:
-        remat.remove(model)
-    assert prof.predict_peak(assignment) == measured
+    assert prof.predict_peak(assignment) == measure_wrapped(model, x, assignment).peak_bytes

@@ -24,8 +24,8 @@ module. Neither fits the walk above, whose segment forward keeps nothing (GPT-2 
 selective-ops inside a segment predicted 4.3% under the measured peak, "selective" up to
 10% off either way), and the cache held through the rest of the step would couple a
 segment's forward to the plan inside it, which the DP's cells cannot hold. So inside a
-segment a block is kept, recomputed or fine (``Costs.inside``: exact on GPT-2, Llama and
-conv chains); selective policies stay for the blocks between segments.
+segment a block is "keep", "full" or "full-fine" (``Costs.inside``; exact on GPT-2 in every
+shape tried, and on conv chains); selective policies stay for the blocks between segments.
 
 NOTE [Inputs written in place inside a segment]
 A checkpointed call copies, before the write, each input its forward writes in place
