@@ -164,8 +164,15 @@ def fractions(prof: remat.Profile, n: int) -> list[int]:
     return [round(top - (top - low) * i / (n - 1)) for i in range(n)]
 
 
+#: One letter per policy in the tables; a policy without one is written out, so a message built with
+#: ``letters`` (tests/planning/test_families.py's) is never lost to a KeyError.
+LETTERS = {"keep": "k", "selective": "s", "selective-ops": "o", "full": "f", "full-fine": "F"}
+
+
 def letters(plan: remat.Plan) -> str:
-    return "".join({"keep": "k", "selective": "s", "full": "f"}[p] for p in plan.assignment.values())
+    """One letter per block; a nested plan's segments after it, as (first block, last block)."""
+    out = "".join(LETTERS.get(p, f"<{p}>") for p in plan.assignment.values())
+    return out + "".join(f" ({a}..{b})" for a, b in plan.segments)
 
 
 @dataclass
@@ -235,7 +242,7 @@ def family_table(r: Result) -> str:
     lines = [f"### {r.family} ({len(r.blocks)} blocks: {r.blocks[0]} ... {r.blocks[-1]}; {r.seconds:.0f} s)", "",
              f"Un-checkpointed peak {human_bytes(r.baseline)} ({r.baseline} B), lowest planned "
              f"{human_bytes(r.minimum)} ({r.minimum / r.baseline:.3f}). Assignment: one letter per block "
-             "(k keep, s selective, f full).", "",
+             "(k keep, s selective, o selective-ops, f full, F full-fine), then nested segments.", "",
              "| sweep | budget (B) | x baseline | assignment | predicted (B) | measured (B) | measured - budget | "
              "measured / predicted - 1 | note |", "|---|---|---|---|---|---|---|---|---|"]
     for label, rows in (("plan", r.plain), ("auto", r.verified)):

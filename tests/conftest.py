@@ -83,15 +83,20 @@ def assert_state_equal(a, b):
     assert torch.equal(a.cpu_rng, b.cpu_rng)
 
 
-def measure_assignment(zoo, assignment, *, warmup=0, repeat=1):
+def measure_wrapped(model, inputs, assignment, loss_fn=None, *, warmup=0, repeat=1):
     """``remat.measure`` with every block of ``assignment`` wrapped in its policy (unwrapped after)."""
-    modules = dict(zoo.model.named_modules())
+    modules = dict(model.named_modules())
     try:
         for name, policy in assignment.items():
             remat.wrap(modules[name], policy=policy)
-        return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=warmup, repeat=repeat)
+        return remat.measure(model, inputs, loss_fn, warmup=warmup, repeat=repeat)
     finally:
-        remat.remove(zoo.model)
+        remat.remove(model)
+
+
+def measure_assignment(zoo, assignment, *, warmup=0, repeat=1):
+    """:func:`measure_wrapped` for a zoo model."""
+    return measure_wrapped(zoo.model, zoo.inputs, assignment, zoo.loss_fn, warmup=warmup, repeat=repeat)
 
 
 class Untouched:

@@ -164,3 +164,12 @@ def test_the_families_data_flow_is_there():
     bert, _ = dataflow.build("bert", **TINY)
     assert bert.config._attn_implementation == "eager"
     assert (inputs["attention_mask"] == 0).any()  # padding: no family's mask is all ones
+
+
+def test_a_failure_message_names_every_policy_and_the_segments():
+    # The tests above build their failure messages with dataflow.letters: a policy it had no letter for
+    # (selective-ops) raised KeyError there and hid the predicted and measured peaks.
+    policies = (*remat.POLICIES, "full-fine")
+    plan = remat.Plan({f"b{i}": p for i, p in enumerate(policies)}, 1, 0.0, 1, 1, None, "optimal", "M",
+                      segments=(("b3", "b4"),))
+    assert dataflow.letters(plan) == "ksofF (b3..b4)"

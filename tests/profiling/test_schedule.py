@@ -1,11 +1,16 @@
 """remat.profiling._schedule: selective-ops' traced step is where selective learns its structure."""
 
 import pytest
+import torch
+from torch import nn
+
 import remat
 from remat.core._step import training_step
 from remat.core.checkpoint import _STRUCTURES
 from remat.profiling._schedule import trace_schedule
 from remat.zoo import build
+
+from conftest import measure_wrapped
 
 
 def test_schedule_learns_in_selective_ops_trace_only_when_both_are_profiled():
@@ -45,3 +50,38 @@ def test_one_profile_of_both_selective_policies_equals_a_profile_of_each(trained
     for policy, prof in alone.items():
         assert _costs(both, policy) == _costs(prof, policy), policy
     assert _costs(both, "selective") != _costs(both, "selective-ops")  # the test can tell them apart
+
+
+class _GeluBlock(nn.Module):
+    """Its activation a submodule: selective by module learns it as a cheap region."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class _SharedTwice(nn.Module):
+    """One block called twice per step (weight sharing)."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.first, self.shared, self.last, self.head = _GeluBlock(d), _GeluBlock(d), _GeluBlock(d), nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        x = self.shared(self.shared(x))
+        return self.head(self.last(x)).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("others", ["keep", "full"])
+def test_selective_ops_of_a_block_called_twice_is_traced_op_level_on_both_calls(others):
+    # selective-ops' traced step runs the blocks under "selective" (they learn on the side): a block's second
+    # call in that step must not take the by-module path its first call just learned.
+    torch.manual_seed(0)
+    model, x = _SharedTwice(), torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
+    prof = remat.profile(model, x, warmup=0, repeat=1)
+    assignment = {"first": others, "shared": "selective-ops", "last": others}
+    assert prof.predict_peak(assignment) == measure_wrapped(model, x, assignment).peak_bytes

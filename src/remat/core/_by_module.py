@@ -75,6 +75,37 @@ def by_module_allowed() -> bool:
     return not getattr(_local, "op_level", 0)
 
 
+# NOTE [Learning kept until the step ends]
+# A block's first selective call runs op-level and learns its structure; its next call takes the fast
+# path. A block called twice in one step (weight sharing) thus runs op-level, then by module, in the
+# step where it learns. The profile's selective-ops traced step is such a step (NOTE [selective-ops
+# traces selective's learning] in remat.profiling._schedule) and must run op-level throughout, as
+# every selective-ops step does: within ``learned_at_exit`` what a call learns is remembered only on
+# leaving, so every call inside is a first call (measured on a block called twice: predicted 2.0%
+# under the measured peak of selective-ops before).
+@contextlib.contextmanager
+def learned_at_exit() -> Iterator[None]:
+    """Within: what selective's first calls learn is remembered on leaving (NOTE above); dropped on an error."""
+    pending: list[Callable[[], None]] = []
+    outer = getattr(_local, "pending", None)
+    _local.pending = pending
+    try:
+        yield
+    finally:
+        _local.pending = outer
+    for remember in pending:
+        remember_learned(remember)
+
+
+def remember_learned(remember: Callable[[], None]) -> None:
+    """Run ``remember`` now, or on leaving :func:`learned_at_exit`."""
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        remember()
+    else:
+        pending.append(remember)
+
+
 @dataclass(frozen=True)
 class Structure:
     """What a block's first selective call learned (NOTE [Selective by module])."""

@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from remat.core._region import Learned, Region, _written_tensors, observed_recomputation
 
@@ -95,14 +98,63 @@ class RecomputeContext:
                 observed.__exit__(type(exc), exc, exc.__traceback__)
                 raise
         self._open.append((observed, swap))
+        if self.region.written_inputs:  # before the selective-checkpoint mode (NOTE in remat.core._region)
+            self.region.prepare_recompute()
 
     def __exit__(self, *exc) -> None:  # noqa: ANN001
+        self.region.end_recompute()
         observed, swap = self._open.pop()
         try:
             if swap is not None:
                 swap.__exit__(*exc)
         finally:
             observed.__exit__(*exc)
+
+
+# NOTE [Cached outputs written in place]
+# torch's selective checkpoint keeps the outputs of the ops its policy saves (matmuls, convolutions)
+# and hands them back in recompute. One written in place after it was cached (a Linear followed by
+# ReLU(inplace=True) in the block, or the block's output written by the next block's in-place first
+# op) is refused there ("Tensor cached during selective activation checkpoint has been mutated"), or
+# with allow_cache_entry_mutation handed back written: a forward that never happened. Such an entry is
+# recomputed instead: its op runs again in recompute from its recomputed inputs, which gives the value
+# the forward made. Entries written during the forward are let go at its end (nothing reads them
+# again; the write's own output is what the rest holds), those written later when a recomputation
+# begins. Reads torch's private cache (a dict of op -> {call index: entry}); without it, torch's check.
+_CACHED_RECOMPUTE = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
+
+
+def _written_since_cached(entry: Any) -> bool:
+    for wrapper in tree_flatten(entry)[0]:
+        value, version = getattr(wrapper, "val", None), getattr(wrapper, "version", None)
+        if isinstance(value, torch.Tensor) and version is not None and value._version != version:
+            return True
+    return False
+
+
+class RecomputeWritten:
+    """Turns cached outputs written in place into ones recomputed (NOTE above): on entering a recomputation,
+    or (``at_exit``) on leaving the forward."""
+
+    def __init__(self, sac_mode: Any, at_exit: bool = False) -> None:
+        self.storage = getattr(sac_mode, "storage", None)
+        self.at_exit = at_exit
+
+    def _recompute_written(self) -> None:
+        if _CACHED_RECOMPUTE is None or not isinstance(self.storage, dict):
+            return
+        for entries in self.storage.values():
+            for index, entry in entries.items():
+                if _written_since_cached(entry):
+                    entries[index] = _CACHED_RECOMPUTE
+
+    def __enter__(self) -> None:
+        if not self.at_exit:
+            self._recompute_written()
+
+    def __exit__(self, exc_type, *exc) -> None:  # noqa: ANN001
+        if self.at_exit and exc_type is None:
+            self._recompute_written()
 
 
 class Stacked:

@@ -17,6 +17,13 @@ buffers are swapped for the copies while recomputing and swapped back afterwards
 so the user's buffers change exactly once per step and the recompute sees the
 state the forward saw.
 
+The fresh copies of written inputs are made when a recomputation begins, before
+torch's selective-checkpoint mode is entered: that mode refuses, in recompute, any
+op the forward did not run under it (torch 2.13: "aten.clone.default encountered
+during backward but not found in storage"), and the forward's copies were made
+beneath it. Under "full" nothing watches the ops, so where the copy is made
+changes nothing there.
+
 NOTE [Watching only when needed]
 The first forward of a callable (a wrapped module, a function) runs under a
 dispatch mode that copies a watched storage right before its first in-place
@@ -222,6 +229,9 @@ class Region:
         self.entry_versions: dict[int, int] = {}
         self.buffer_modules: dict[int, nn.Module] = {}
         self._inputs: list[torch.Tensor] | None = None
+        self.written_inputs: dict[int, bool] = {}
+        """Storage key -> requires_grad of each input the forward wrote in place."""
+        self._fresh: dict[int, torch.Tensor] = {}
         inputs = self.input_tensors()
         self.input_versions: dict[int, int] = {id(t): t._version for t in inputs}
         if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
@@ -271,6 +281,7 @@ class Region:
             self.before = {k: v for k, v in self.before.items()
                            if self.watched[k]._version != self.entry_versions[k] or not _same_values(v, self.watched[k])}
         self.input_versions = {id(t): t._version for t in inputs}
+        self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
         if self.learned is not None:
@@ -322,9 +333,22 @@ class Region:
         self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
     # -- recompute -----------------------------------------------------------
+    def prepare_recompute(self) -> None:
+        """Fresh copies of the inputs the forward wrote, for the recomputation about to begin (NOTE [What
+        recomputation must not repeat]); clone() so that an in-place op on one is not one on a leaf."""
+        self._fresh = {}
+        for key, requires_grad in self.written_inputs.items():
+            with torch.no_grad():
+                copy = self.before[key].detach()
+            self._fresh[key] = copy.requires_grad_(requires_grad).clone()
+
+    def end_recompute(self) -> None:
+        self._fresh = {}
+
     def recompute_inputs(self) -> tuple[tuple, dict]:
         from remat.errors import RematError
 
+        fresh_copies, self._fresh = self._fresh, {}  # the recomputation's own: not held after it
         if not self.before and all(t._version == self.input_versions.get(id(t), t._version)
                                    for t in self.input_tensors()):
             return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
@@ -333,12 +357,8 @@ class Region:
             if not isinstance(t, torch.Tensor):
                 return t
             key = storage_key(t)
-            if key in self.before:
-                with torch.no_grad():
-                    copy = self.before[key].detach()
-                copy = copy.requires_grad_(t.requires_grad)
-                # clone() so that an in-place op on it is not an in-place op on a leaf.
-                return copy.clone()
+            if key in fresh_copies:
+                return fresh_copies[key]
             if t._version != self.input_versions.get(id(t), t._version):
                 raise RematError(
                     "remat.checkpoint: an input of a checkpointed function was modified in place "

@@ -11,7 +11,9 @@ with a RematError, never dropped:
   ``True`` refused: the reentrant implementation is what freezes a block's
   parameters when no input requires grad.
 * ``context_fn``: a ``create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=...)``
-  pair becomes ``policy=`` (random streams kept through remat's ledger); any other
+  pair becomes ``policy=`` (random streams kept through remat's ledger; a cached output
+  written in place is recomputed, so ``allow_cache_entry_mutation`` has nothing left to
+  refuse or allow: NOTE [Cached outputs written in place] in ``remat.core._contexts``); any other
   pair of context managers is entered around the forward and the recomputation,
   inside remat's own contexts.
 * ``determinism_check`` (``"default"`` / ``"none"``) and ``early_stop`` go to torch.

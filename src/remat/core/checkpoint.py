@@ -31,9 +31,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.core._by_module import StructureRecorder, by_module_allowed, run_by_module
+from remat.core._by_module import StructureRecorder, by_module_allowed, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
-from remat.core._contexts import ForwardContext, RecomputeContext, Stacked
+from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWritten, Stacked
 from remat.core._region import Region
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._rng import ReplayContext, RngLedger
@@ -48,7 +48,10 @@ def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_m
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
     ledger = RngLedger(policy_fn)
     forward, recompute = create_selective_checkpoint_contexts(ledger.decide, allow_cache_entry_mutation=allow_mutation)
-    return forward, Stacked(recompute, ReplayContext(ledger)) if replay_rng else recompute
+    # NOTE [Cached outputs written in place] in remat.core._contexts
+    written = RecomputeWritten(recompute)
+    forward = Stacked(RecomputeWritten(forward, at_exit=True), forward)
+    return forward, Stacked(written, recompute, ReplayContext(ledger)) if replay_rng else Stacked(written, recompute)
 
 
 _MARKERS: dict[torch.device, torch.Tensor] = {}
@@ -215,7 +218,8 @@ def _run_checkpointed(
     if nested:
         region.release_inputs()
     if recorder is not None:
-        remember_structure(recorder.structure())
+        structure = recorder.structure()
+        remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
 
 

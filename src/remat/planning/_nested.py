@@ -13,6 +13,33 @@ profile's uniform runs (``remat.planning._solve.Chain``); after a segment's back
 the walk continues from the live bytes the flat chain would have (the blocks' own
 forward plus backward deltas), so rounding inside a segment never leaks out of it.
 
+NOTE [Selective caches inside a segment]
+A block under torch's selective checkpoint keeps its cache (the matmul outputs it saves)
+in the checkpoint's own storage, not through saved-tensor hooks, so inside a segment it
+is not dropped with the rest of the segment's forward: it lives from the segment's
+forward to the block's backward, and every recomputation of the segment makes a second
+one for a while. "selective" runs op-level there too (NOTE [A region as saved-tensor
+hooks] in remat.core._cheap_regions), so it is that policy and not the profiled one by
+module. Neither fits the walk above, whose segment forward keeps nothing (GPT-2 4x64:
+selective-ops inside a segment predicted 4.3% under the measured peak, "selective" up to
+10% off either way), and the cache held through the rest of the step would couple a
+segment's forward to the plan inside it, which the DP's cells cannot hold. So inside a
+segment a block is "keep", "full" or "full-fine" (``Costs.inside``; exact on GPT-2 in every
+shape tried, and on conv chains); selective policies stay for the blocks between segments.
+
+NOTE [Inputs written in place inside a segment]
+A checkpointed call copies, before the write, each input its forward writes in place
+(NOTE [What recomputation must not repeat] in remat.core._region) and keeps the copy
+until its recomputation. A segment's region does so for the segment's input, and so
+does every region that begins at the same block (a sub-segment, the block itself when
+checkpointed), each with its own copy; a nested region also holds the written input
+itself. The walk counts one copy, the block's own under "full" (conv chain of
+ReLU(inplace=True) blocks: predicted 17% under the measured peak). The block before
+it, whose output it writes, ends a segment whose output is written after the segment
+(measured one output over the walk: 0.96% on a conv chain). So neither a block that
+writes its input (``BlockProfile.writes_input``) nor the one before it is ever inside
+a segment (``Costs.segmentable``); the profile says so in a note.
+
 NOTE [The nested DP]
 Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``
 is the least extra time to run blocks s..e-1 forward then their tail (the head's
@@ -56,6 +83,8 @@ from remat.profiling._types import Profile
 
 GRID = 256
 MAX_BLOCKS = 128
+#: Policies that run under torch's selective checkpoint inside a segment (NOTE [Selective caches inside a segment]).
+_SELECTIVE = ("selective", "selective-ops")
 
 
 
@@ -79,6 +108,10 @@ class Costs:
     full: int
     holds: np.ndarray | None = None
     """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
+    inside: np.ndarray | None = None
+    """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
+    segmentable: np.ndarray | None = None
+    """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
 
 
 def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
@@ -176,11 +209,15 @@ class _Recursion:
     def __init__(self, c: Costs, up: Callable[[Any], np.ndarray], down: Callable[[Any], np.ndarray]) -> None:
         ch, f = c.chain, c.full
         self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
+        self.inside = c.inside if c.inside is not None else np.ones(self.P, dtype=bool)
+        n = len(ch.blocks)
+        # span_ok[s, e]: blocks s..e-1 may form a segment (none of them writes its input)
+        barred = np.concatenate([[0], np.cumsum(~c.segmentable if c.segmentable is not None else np.zeros(n, bool))])
+        self.span_ok = barred[None, :] == barred[:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
         self.csum = np.concatenate([[0], np.cumsum(up((ch.fwd_delta + ch.bwd_delta).max(axis=1)))])
         self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
-        n = len(ch.blocks)
         # kept[s, e], peak[s, e]: live bytes left and most reached by blocks s..e-1 run saving nothing;
         # refwd[s, e]: their forward time but the last block's (a segment's recomputation before its tail).
         self.kept, self.peak = np.zeros((n + 1, n + 1), dtype=np.int64), np.zeros((n + 1, n + 1), dtype=np.int64)
@@ -234,9 +271,11 @@ class _Tables(_Recursion):
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
         rest = self.cost[top][s + 1, e]
         ok = (m[None, :] >= self.FP[s, :, None]) & (m[None, :] >= (self.FD[s] + after + self.BP[s])[:, None])
+        ok &= (self.inside | top)[:, None]
         by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
         options = [np.where(ok, by_policy, np.inf)]
         ks = np.arange(s + 2, stop + 1)
+        ks = ks[self.span_ok[s, ks]]
         if len(ks):  # the first item a segment [s, k): the rest after its output, its own backward below
             kept = self.kept[s, ks]
             below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta
@@ -310,7 +349,10 @@ def costs_of(profile: Profile) -> Costs | None:
             out[k] = crossing.nbytes
             holds[k] = [crossing.freed.get(p) == ("bwd", made_by, crossing.producer[2]) for p in ch.policies]
     fwd = np.array([by_name[b].fwd_time_s for b in ch.blocks])
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds)
+    inside = np.array([p not in _SELECTIVE for p in ch.policies])
+    writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
+    segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
+    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable)
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:

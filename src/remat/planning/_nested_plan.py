@@ -26,6 +26,8 @@ from remat.planning._nested import (
 from remat.profiling._types import Profile
 
 _FINE_CELLS = 2_500_000
+_NEVER = np.iinfo(np.int64).max // 4
+"""The need of a choice not open inside a segment: more than any budget, and safe to add to."""
 _SCALES = (0.97, 0.985, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2)
 
 
@@ -49,9 +51,11 @@ class _Needs(_Recursion):
             return
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
         rest, rest_t = self.need[top][s + 1, e], self.time[top][s + 1, e]
-        needs = [np.maximum.reduce([self.FP[s], self.FD[s] + after + self.BP[s], self.FD[s] + rest])]
+        by_policy = np.maximum.reduce([self.FP[s], self.FD[s] + after + self.BP[s], self.FD[s] + rest])
+        needs = [np.where(self.inside | top, by_policy, _NEVER)]  # NOTE [Selective caches inside a segment]
         times = [self.c.chain.extra_s[s] + rest_t]
         ks = np.arange(s + 2, stop + 1)
+        ks = ks[self.span_ok[s, ks]]
         if len(ks):
             kept = self.kept[s, ks]
             below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from dataclasses import replace
 
 from remat.profiling._types import BlockProfile, Profile, SegmentCost
 
@@ -52,3 +54,10 @@ def synthetic_profile(n_blocks: int, *, seed: int = 0, resting: int = 10**8) -> 
         bwd_order=bwd_order,
         segments=segments,
     )
+
+
+def fixed_times(profile: Profile, seconds: Mapping[str, float]) -> Profile:
+    """``profile`` with every block's extra time under each policy set to ``seconds[policy]``: plans made from it
+    do not depend on the machine's timings (a test can then know which plan the planner picks)."""
+    blocks = tuple(replace(b, extra_time_s={p: float(seconds[p]) for p in b.extra_time_s}) for b in profile.blocks)
+    return replace(profile, blocks=blocks)

@@ -18,6 +18,7 @@ from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, t
 from remat.core._state import capture, restoring
 from remat.core._step import InputGrads, LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
+from remat.core._by_module import learned_at_exit
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, forget_structure, wrap
 from remat.core.measure import device_of, resting_tensors
@@ -88,7 +89,7 @@ def traced_step(
     tracker = StorageTracker(known=resting_tensors(model, inputs, loop))
     recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace,
                                allocator=allocator, clock=clock_for(device))
-    with recorder, tracker:
+    with recorder, tracker, learned_at_exit():  # NOTE [Learning kept until the step ends]
         _run_step(model, inputs, loss_fn, recorder, loop)
     resting = allocator.base if allocator is not None else storage_bytes(resting_tensors(model, inputs, loop))
     return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
@@ -176,6 +177,7 @@ def _block_profiles(
                 fwd_flops=sum(flops["keep"][k] for k in fwd_keys),
                 bwd_flops={p: sum(flops[p][k] for k in bwd_keys) for p in policies},
                 calls=len(fwd_keys),
+                writes_input=any(keep_segments[k].writes_input for k in fwd_keys),
             )
         )
     return tuple(out)
@@ -288,13 +290,19 @@ def _assemble(
     }
     keep = traced["keep"]
     params = list(model.parameters())
+    blocks = _block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute)
+    writers = [b.name for b in blocks if b.writes_input]
+    if writers:
+        notes = [*notes, f"blocks {', '.join(writers[:4])}{' ...' if len(writers) > 4 else ''} write their input in "
+                         "place: nested plans leave them and the blocks before them out of segments (NOTE [Inputs "
+                         "written in place inside a segment] in remat.planning._nested)."]
     step_time = (
         sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
     )
     return Profile(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
-        blocks=_block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute),
+        blocks=blocks,
         resting_bytes=storage_bytes(resting_tensors(model, inputs)) + loop_bytes[0] + extra_resting,
         param_bytes=storage_bytes(params),
         grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),

@@ -62,6 +62,7 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
             bwd_time_s=max(0.0, at(a.bwd_time_s, b.bwd_time_s)),
             extra_time_s=per_policy(a.extra_time_s, b.extra_time_s, lambda x, y: max(0.0, at(x, y))),
             fwd_flops=nbytes(a.fwd_flops, b.fwd_flops), bwd_flops=per_policy(a.bwd_flops, b.bwd_flops), calls=a.calls,
+            writes_input=a.writes_input or b.writes_input,
         )
         for a, b in zip(p1.blocks, p2.blocks)
     )

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
-from remat.core._region import in_bookkeeping, recompute_observer
+from remat.core._region import _written_tensors, in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core.checkpoint import SAVE_OPS
 
@@ -69,6 +69,8 @@ class Segment:
     """Bytes of such casts freed here (NOTE [Autocast's weight casts outlive their block])."""
     max_released: int = 0
     """Most live after the first release here, plus the bytes released so far; 0 without one."""
+    writes_input: bool = False
+    """A block's forward: an op in it wrote in place to a storage the block was called with."""
 
     @property
     def key(self) -> tuple[str, str | None, int]:
@@ -163,6 +165,8 @@ class SegmentRecorder:
         output (NOTE [What the parent does with a block's output] in remat.planning._nested)."""
         self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
         self._casts: dict[int, Segment] = {}
+        self._call_inputs: set[int] = set()
+        """Storages the running block was called with (``Segment.writes_input``)."""
         if tracker is not None:
             tracker.on_op = self._on_op
             tracker.on_free = self._on_free
@@ -326,6 +330,9 @@ class SegmentRecorder:
                 self._casts[st._cdata] = seg
         elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None and not in_bookkeeping():
             self._note_made(seg, out)
+            if func._schema.is_mutable and not seg.writes_input:
+                seg.writes_input = any(st._cdata in self._call_inputs
+                                       for t in _written_tensors(func, args, kwargs) for st in storages(t))
         if seg.phase == "fwd" and self._outputs:
             self._note_reads(seg.block, (args, kwargs))
         packet = func._overloadpacket
@@ -349,6 +356,8 @@ class SegmentRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.begin("fwd", name)
             self._note_inputs(name, self._current.occurrence, args, kwargs)
+            if self.tracker is not None:
+                self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
             if name not in self.io_bytes:
                 self.io_bytes[name] = (storage_bytes(tensors_in((args, kwargs))), 0)
 

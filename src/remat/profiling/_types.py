@@ -65,6 +65,10 @@ class BlockProfile:
     """Per policy: FLOPs of its backward segment, recomputation included."""
     calls: int = 1
     """Times it runs per step."""
+    writes_input: bool = False
+    """Its forward writes in place to a tensor it was called with (an in-place ReLU first): nested plans leave
+    it and the block before it out of segments (NOTE [Inputs written in place inside a segment] in
+    ``remat.planning._nested``)."""
 
 
 @dataclass(frozen=True)
