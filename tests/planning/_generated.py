@@ -1,15 +1,16 @@
 """Generated models for ``test_generated_models.py``: data flows real models have.
 
-A spec is a plain dict (hypothesis draws it, ``@example`` and the regression tests
-spell it out). The parent embeds the input (so that no block writes to the user's
-tensor), then calls its blocks in ``order`` (one block may appear twice: weight
-sharing), each call on the previous output plus, for ``skip`` s > 0, the output from
-s blocks further back; ``offset`` adds a parameter to a block's output in place in the
-parent (``x = block(x); x += self.offsets[k]``). A block: an optional in-place ReLU on
-its input, ``fc1``, the tensor shared by every block added or multiplied in, an
-activation (functional GELU, an ``nn.GELU`` module or ``nn.ReLU(inplace=True)``),
-dropout, ``fc2``, the residual (``x + y`` or ``y.add_(x)``), BatchNorm, and an
-auxiliary loss term returned beside the output.
+A spec is a plain dict (hypothesis draws it, the regression tests spell it out with
+``spec``). The parent embeds the input (so that no block writes to the user's tensor) and
+computes the tensor shared by every block from it, then calls its blocks in ``order`` (one
+block may appear twice: weight sharing), each call on the previous output plus, for
+``skip`` s > 0, the output from s blocks further back (it keeps every output in a list);
+``offset`` adds a parameter to a block's output in place in the parent
+(``x = block(x); x += self.offsets[k]``). A block: an optional ``nn.ReLU(inplace=True)`` on
+its input, ``fc1``, the shared tensor added or multiplied in, an activation (functional
+GELU, an ``nn.GELU`` module or ``nn.ReLU(inplace=True)``), dropout, ``fc2``, the residual
+(``x + y`` or ``y.add_(x)``), BatchNorm1d (between transposes: its output is a view), and
+an auxiliary loss term of its inner activation returned beside the output (a router's).
 """
 
 from __future__ import annotations
