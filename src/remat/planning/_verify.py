@@ -371,7 +371,8 @@ def _reference_first(candidates: _Candidates, limit: int) -> None:
     prof, floor = candidates.prof, candidates.floor()
     if floor > limit:  # no step runs: each would be over the budget
         remove(candidates.model)
-        raise _unreachable(limit, prof, "eager", f"is predicted at {human_bytes(floor)} ({floor} bytes)", floor)
+        raise _unreachable(limit, prof, "eager", f"is predicted at {human_bytes(floor)} ({floor} bytes): the budget "
+                           "is below the lowest peak any plan reaches, so no step was run", floor)
     try:
         candidates.reference(candidates.plan(floor))
     except OutOfMemory:
