@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # (remat installs beside a user's CUDA build), which pip could satisfy with a multi-GB CUDA wheel.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(BIN)/remat: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,14 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# A quick subset while working (not what CI runs): every test not marked slow, gpu or heavy.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not heavy"
+
+# Every zoo model beside torch's options; rewrites its section of BENCHMARKS.md and docs/pareto-*.png.
+bench: setup
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -24,7 +24,14 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (long property runs)")
 
 
+def _needs_cuda(item) -> bool:
+    return any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _needs_cuda(item):
+            item.add_marker(pytest.mark.gpu)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")
