@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
+    CheckpointError,
     _StopRecomputationError as _StopRecomputation,
     checkpoint as _torch_checkpoint,
     create_selective_checkpoint_contexts,
@@ -37,17 +38,28 @@ from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWrit
 from remat.core._region import Region
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._rng import ReplayContext, RngLedger
-from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
+from remat.core._torch_options import (
+    DEFAULT,
+    OPTION_NAMES,
+    CallOptions,
+    no_torch_debug,
+    read_torch_options,
+    route_saved_tensors_hooks,
+    split_torch_options,
+)
 from remat.errors import RecomputeError, RematError
 
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_mutation: bool) -> tuple[Any, Any]:
+def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
     ledger = RngLedger(policy_fn)
-    forward, recompute = create_selective_checkpoint_contexts(ledger.decide, allow_cache_entry_mutation=allow_mutation)
+    forward, recompute = create_selective_checkpoint_contexts(
+        ledger.decide, allow_cache_entry_mutation=options.allow_cache_entry_mutation
+    )
+    route_saved_tensors_hooks(forward, options)  # NOTE in remat.core._torch_options
     # NOTE [Cached outputs written in place] in remat.core._contexts
     written = RecomputeWritten(recompute)
     forward = Stacked(RecomputeWritten(forward, at_exit=True), forward)
@@ -174,7 +186,7 @@ def _run_checkpointed(
         if policy_fn is None:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
         else:
-            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options.allow_cache_entry_mutation)
+            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options)
         if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
             fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
         if recorder is not None:
@@ -193,16 +205,10 @@ def _run_checkpointed(
         rargs, rkwargs = region.recompute_inputs()
         try:
             return fn(*rargs, **rkwargs)
-        except (_StopRecomputation, RematError):
-            raise  # torch's early stop, or our own message
+        except (_StopRecomputation, RematError, CheckpointError):
+            raise  # torch's early stop, our own message, or torch's about a region inside this one
         except Exception as exc:
-            raise RecomputeError(
-                f"remat.checkpoint: {getattr(fn, '__qualname__', type(fn).__name__)} failed when rerun in backward "
-                f"({type(exc).__name__}: {exc}). The function must compute the same thing again: a forward side "
-                "effect (a Hugging Face KV cache: pass use_cache=False, or set it to False on every config of the "
-                "model, e.g. model.config and model.decoder.config; remat.apply does that; a counter or cache of "
-                "your own: guard it with `if not remat.is_recomputing()`) or data-dependent control flow changed it."
-            ) from exc
+            raise _recompute_failure(fn, policy, region, exc) from exc
 
     with no_torch_debug():
         out = _torch_checkpoint(
@@ -221,6 +227,31 @@ def _run_checkpointed(
         structure = recorder.structure()
         remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
+
+
+_SAC_ONCE = ("Trying to backward an extra time", "encountered during backward but not found in storage")
+
+
+def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception) -> RecomputeError:
+    """What to tell when ``fn`` failed while rerun in backward."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    again = region.recomputations > 1 or not region.forward_done
+    if (policy_function(policy) is not None and isinstance(exc, RuntimeError)
+            and (_SAC_ONCE[0] in str(exc) or (again and _SAC_ONCE[1] in str(exc)))):
+        return RecomputeError(
+            f"remat.checkpoint: {name} was recomputed more than once (backward twice with retain_graph=True, "
+            "a double backward with create_graph=True, or torch.autograd.grad inside the function), which "
+            f"policy={policy!r} cannot do: torch's selective checkpoint hands each output it keeps to one "
+            f"recomputation only, and torch's own checkpoint with this policy fails the same way ({exc}). "
+            "Use policy='full' for this function: it recomputes as often as backward asks."
+        )
+    return RecomputeError(
+        f"remat.checkpoint: {name} failed when rerun in backward ({type(exc).__name__}: {exc}). The function "
+        "must compute the same thing again: a forward side effect (a Hugging Face KV cache: pass use_cache=False, "
+        "or set it to False on every config of the model, e.g. model.config and model.decoder.config; "
+        "remat.apply does that; a counter or cache of your own: guard it with `if not remat.is_recomputing()`) "
+        "or data-dependent control flow changed it."
+    )
 
 
 def checkpoint(
@@ -273,6 +304,9 @@ def checkpoint(
     Under ``torch.compile`` the call is traced as torch's checkpoint operator with the same
     policy (NOTE [Under torch.compile] in ``remat.core._compiled``).
     """
+    later: dict[str, Any] = {}
+    if kwargs and not OPTION_NAMES.isdisjoint(kwargs):  # options torch added (NOTE in remat.core._torch_options)
+        kwargs, later = split_torch_options(kwargs)
     if fn is None:
         if args or kwargs:
             raise RematError(
@@ -280,13 +314,13 @@ def checkpoint(
                 "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
             )
         torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn,
-                         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop}
+                         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop, **later}
         return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options)
     if not callable(fn):
         raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
     policy, options = read_torch_options(
         policy, use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
-        debug=debug, early_stop=early_stop,
+        debug=debug, early_stop=early_stop, later=later,
     )
     policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
