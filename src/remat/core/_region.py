@@ -232,9 +232,7 @@ class Region:
         self.written_inputs: dict[int, bool] = {}
         """Storage key -> requires_grad of each input the forward wrote in place."""
         self._fresh: dict[int, torch.Tensor] = {}
-        self.forward_done = False
-        """False until the forward ends: a recomputation may begin before (NOTE [Recomputed before the forward
-        ends] in remat.core._contexts)."""
+        self.forward_done = False  # a recomputation may begin before (NOTE in remat.core._contexts)
         self.recomputations = 0
         self._leaves: list[Any] | None = None
         inputs = self.input_tensors()
@@ -331,8 +329,7 @@ class Region:
         self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
     def restore_inputs(self, tensors: tuple) -> None:
-        """Put back the inputs torch unpacked for a recomputation (still held when it begins before the
-        forward ended, inside ``torch.autograd.grad`` in the function: nothing to put back)."""
+        """Put back the inputs torch unpacked for a recomputation (held still if the forward has not ended)."""
         if self._leaves is None:
             return
         leaves = list(self._leaves)
@@ -358,11 +355,9 @@ class Region:
         return copy.requires_grad_(requires_grad).clone()
 
     def _prepare_early_recompute(self) -> None:
-        """A recomputation that begins before the forward ended (NOTE [Recomputed before the forward ends] in
-        remat.core._contexts) runs the whole function, also the in-place writes the forward has not reached
-        yet: where the function may write its inputs, each gets a copy, from its value before the forward
-        where the forward already wrote it, else a clone that keeps its graph (``torch.autograd.grad`` in the
-        function may differentiate with respect to it)."""
+        """Where the function may write its inputs, a copy of each for a recomputation that begins before the
+        forward ended (NOTE [Recomputed before the forward ends] in remat.core._contexts): the value before the
+        forward, or a clone that keeps the graph (``torch.autograd.grad`` in the function may differentiate)."""
         if not self.watches_ops:  # this callable is known to write none of its inputs
             return
         for t in self.input_tensors():

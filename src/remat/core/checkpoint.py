@@ -295,12 +295,15 @@ def checkpoint(
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
         use_reentrant, context_fn, determinism_check, debug, early_stop: torch's
-            options, read as torch reads them; ``use_reentrant=True`` is refused
-            (NOTE in ``remat.core._torch_options``).
+            options, read as torch reads them; ``use_reentrant=True`` runs the
+            non-reentrant checkpoint too, with one warning per call site (NOTE in
+            ``remat.core._torch_options``). Options later torches add
+            (``respect_saved_tensors_hooks``) are honoured or refused, never
+            handed to ``fn``.
 
     Like torch, every other keyword goes to ``fn``. A failure while recomputing raises
     :class:`remat.errors.RecomputeError`, which is also torch's ``CheckpointError``
-    (a ``RuntimeError``).
+    (a ``RuntimeError``); a refused option value is also a ``ValueError``.
     Under ``torch.compile`` the call is traced as torch's checkpoint operator with the same
     policy (NOTE [Under torch.compile] in ``remat.core._compiled``).
     """
