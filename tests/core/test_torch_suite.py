@@ -7,9 +7,12 @@ Where torch's test asserts what only the reentrant implementation does (refusing
 an output that is a fresh tensor), remat's answer is the non-reentrant one, and the test says so.
 """
 
+import collections
+import contextlib
 import functools
 import random
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -280,6 +283,37 @@ def _nestings(fn, c):
     ]
 
 
+def _graph_nodes(root):
+    seen, queue = {root}, collections.deque([root])
+    while queue:
+        node = queue.popleft()
+        yield node
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+
+
+def _alive_after_use(fn):
+    """Names of the graph nodes of fn(x) still alive once its output is gone: no reference cycle may hold them,
+    as torch's check_graph_dies asks (freed by reference counting alone, no garbage collection)."""
+
+    class Mark:
+        def __init__(self, name):
+            self.name = name
+
+    def use():
+        out = fn(torch.randn((), dtype=torch.double, requires_grad=True))
+        marks = []
+        for node in _graph_nodes(out.grad_fn):
+            mark = Mark(node.name())
+            node.metadata["remat-test"] = mark
+            marks.append(weakref.ref(mark))
+        return marks
+
+    return [ref().name for ref in use() if ref() is not None]
+
+
 @pytest.mark.parametrize("early_stop", [True, False])
 @pytest.mark.parametrize("fn", [_chain, _differentiates_inside], ids=["chain", "grad-inside"])
 def test_nested_checkpoints_with_autograd_grad(fn, early_stop):
@@ -293,6 +327,7 @@ def test_nested_checkpoints_with_autograd_grad(fn, early_stop):
                 got = variant(x)
                 assert torch.equal(got, expected)
                 assert torch.equal(got, torch_variant(x))
+                assert _alive_after_use(variant) == []
 
 
 @pytest.mark.parametrize("early_stop", [True, False])
@@ -355,20 +390,24 @@ def test_backward_from_a_hook_inside_backward():
     assert torch.equal(a.grad, plain.grad)
 
 
-@pytest.mark.parametrize("early_stop, calls", [(None, 1), (True, 1), (False, 2)])
-def test_early_stop_skips_what_saves_nothing(early_stop, calls):
+@pytest.mark.parametrize("around, given, calls", [
+    (None, None, 1), (None, False, 2), (None, True, 1),  # torch's default is on; the argument
+    (False, None, 2), (True, None, 1),  # the context manager, read when the call is made, not in backward
+    (False, True, 2), (True, False, 1),  # the context manager wins over the argument, as in torch
+])
+def test_early_stop_skips_what_saves_nothing(around, given, calls):
     counter = []
 
     def clone(x):
-        counter.append(1)
+        counter.append(1)  # saves nothing: rerun only without early stop
         return x.clone()
 
+    def fn(x):
+        return clone(x.sin().cos())
+
     a = torch.tensor(1.0, requires_grad=True)
-    if early_stop is None:  # torch's default: on
-        out = remat.checkpoint(lambda x: clone(x.sin().cos()), a)
-    else:
-        with tuc.set_checkpoint_early_stop(early_stop):  # read when the call is made, not in backward
-            out = remat.checkpoint(lambda x: clone(x.sin().cos()), a)
+    with tuc.set_checkpoint_early_stop(around) if around is not None else contextlib.nullcontext():
+        out = remat.checkpoint(fn, a, **({} if given is None else {"early_stop": given}))
     out.backward()
     assert len(counter) == calls
 
@@ -395,6 +434,52 @@ def test_early_stop_when_only_the_input_is_saved(early_stop, dispatched):
     with tuc.set_checkpoint_early_stop(early_stop), _SinCounter() as mode:
         remat.checkpoint(fn, a).backward()
     assert len(calls) == 2 and mode.count == dispatched
+
+
+# --- the decorator form (torch 2.14's curried checkpoint) ----------------------------------------------------
+
+
+def test_a_decorated_functions_keywords_are_its_own_even_named_like_options():
+    def fn(a, preserve_rng_state, use_reentrant, context_fn, determinism_check, debug, early_stop,
+           respect_saved_tensors_hooks):
+        return a.sin() * preserve_rng_state * use_reentrant * context_fn * determinism_check * debug * early_stop \
+            * respect_saved_tensors_hooks
+
+    a = torch.tensor(2.0, requires_grad=True)
+    keywords = dict(preserve_rng_state=2, use_reentrant=3, context_fn=5, determinism_check=7, debug=11,
+                    early_stop=13, respect_saved_tensors_hooks=17)
+    out = remat.checkpoint(use_reentrant=False, preserve_rng_state=False)(fn)(a, **keywords)
+    expected = fn(a, **keywords)
+    assert torch.equal(out, expected)
+    assert torch.equal(torch.autograd.grad(out, a)[0], torch.autograd.grad(expected, a)[0])
+
+
+def test_a_decorated_method_and_a_function_without_arguments():
+    class Model:
+        @remat.checkpoint(use_reentrant=False)
+        def fn(self, x, scale):
+            return x.sin() * scale
+
+    x, scale = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
+    ours, expected = Model().fn(x, scale), x.sin() * scale
+    assert torch.equal(ours, expected)
+    assert all(torch.equal(o, e) for o, e in zip(torch.autograd.grad(ours, (x, scale)),
+                                                   torch.autograd.grad(expected, (x, scale)), strict=True))
+    for call in (lambda: remat.checkpoint(lambda: x.sin().exp()), lambda: remat.checkpoint()(lambda: x.sin().exp())()):
+        assert torch.equal(torch.autograd.grad(call(), x)[0], torch.autograd.grad(x.sin().exp(), x)[0])
+
+
+def test_a_wrapped_modules_keywords_are_its_forwards():
+    class Scaled(nn.Linear):
+        def forward(self, x, debug=1.0, early_stop=1.0):
+            return super().forward(x) * debug * early_stop
+
+    ref = Scaled(3, 3)
+    ours = remat.wrap(twin(ref))
+    x = torch.randn(2, 3)
+    ref(x, debug=2.0, early_stop=3.0).sum().backward()
+    ours(x, debug=2.0, early_stop=3.0).sum().backward()
+    assert_grads_equal(ref, ours)
 
 
 # --- what torch's tests do not cover, and remat adds --------------------------------------------------------

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
-    CheckpointError,
     _StopRecomputationError as _StopRecomputation,
     checkpoint as _torch_checkpoint,
     create_selective_checkpoint_contexts,
@@ -205,8 +204,8 @@ def _run_checkpointed(
         rargs, rkwargs = region.recompute_inputs()
         try:
             return fn(*rargs, **rkwargs)
-        except (_StopRecomputation, RematError, CheckpointError):
-            raise  # torch's early stop, our own message, or torch's about a region inside this one
+        except (_StopRecomputation, RematError):
+            raise  # torch's early stop, or our own message (a region inside this one's included)
         except Exception as exc:
             raise _recompute_failure(fn, policy, region, exc) from exc
 
@@ -310,21 +309,30 @@ def checkpoint(
     later: dict[str, Any] = {}
     if kwargs and not OPTION_NAMES.isdisjoint(kwargs):  # options torch added (NOTE in remat.core._torch_options)
         kwargs, later = split_torch_options(kwargs)
+    torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn, "determinism_check": determinism_check,
+                     "debug": debug, "early_stop": early_stop, "later": later}
     if fn is None:
         if args or kwargs:
             raise RematError(
                 "remat.checkpoint: arguments were given but no function; call "
                 "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
             )
-        torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn,
-                         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop, **later}
-        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options)
+        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state,
+                                 torch_options=torch_options)
+    return _checkpoint_call(fn, args, kwargs, policy, preserve_rng_state, torch_options)
+
+
+_NO_TORCH_OPTIONS: dict[str, Any] = {"use_reentrant": None, "context_fn": None, "determinism_check": "default",
+                                     "debug": None, "early_stop": None}
+
+
+def _checkpoint_call(
+    fn: Callable, args: tuple, kwargs: dict, policy: Any, preserve_rng_state: bool, torch_options: dict[str, Any]
+) -> Any:
+    """``remat.checkpoint`` once its own keywords are read: every keyword in ``kwargs`` is the function's."""
     if not callable(fn):
         raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
-    policy, options = read_torch_options(
-        policy, use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
-        debug=debug, early_stop=early_stop, later=later,
-    )
+    policy, options = read_torch_options(policy, **torch_options)
     policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -335,10 +343,12 @@ def checkpoint(
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs, options)
 
 
-def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool, **torch_options: Any) -> F:
+def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool, torch_options: dict[str, Any]) -> F:
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(fn, *args, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options, **kwargs)
+        # Every keyword of the call is the function's, even one named like an option: torch's decorator form
+        # (torch 2.14) does the same.
+        return _checkpoint_call(fn, args, kwargs, policy, preserve_rng_state, torch_options)
 
     return checkpointed  # type: ignore[return-value]
 
@@ -358,9 +368,8 @@ class _CheckpointedForward:
         self.preserve_rng_state = preserve_rng_state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            self.inner, *args, policy=self.policy, preserve_rng_state=self.preserve_rng_state, **kwargs
-        )
+        # The module's keywords are its forward's, all of them (a `debug=` of its own included).
+        return _checkpoint_call(self.inner, args, kwargs, self.policy, self.preserve_rng_state, _NO_TORCH_OPTIONS)
 
 
 def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = True) -> nn.Module:
