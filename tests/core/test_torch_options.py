@@ -264,7 +264,9 @@ def test_respect_saved_tensors_hooks_routes_kept_outputs_as_torch_does(respect):
             return t
 
         x = x0.clone().requires_grad_()
-        fn = lambda t: torch.mm(t, t).relu().sum()  # noqa: E731
+
+        def fn(t):
+            return torch.mm(t, t).relu().sum()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if which == "remat":
                 out = remat.checkpoint(fn, x, policy=[mm], respect_saved_tensors_hooks=respect)

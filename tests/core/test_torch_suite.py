@@ -446,8 +446,8 @@ def test_a_decorated_functions_keywords_are_its_own_even_named_like_options():
             * respect_saved_tensors_hooks
 
     a = torch.tensor(2.0, requires_grad=True)
-    keywords = dict(preserve_rng_state=2, use_reentrant=3, context_fn=5, determinism_check=7, debug=11,
-                    early_stop=13, respect_saved_tensors_hooks=17)
+    keywords = {"preserve_rng_state": 2, "use_reentrant": 3, "context_fn": 5, "determinism_check": 7, "debug": 11,
+                "early_stop": 13, "respect_saved_tensors_hooks": 17}
     out = remat.checkpoint(use_reentrant=False, preserve_rng_state=False)(fn)(a, **keywords)
     expected = fn(a, **keywords)
     assert torch.equal(out, expected)
