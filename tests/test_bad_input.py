@@ -72,8 +72,9 @@ def _apply_to_submodule(model):
 # name -> (model factory, what the user does, substrings of the message: what was given, how to fix)
 CASES = {
     # torch.utils.checkpoint options
-    "use_reentrant=True": (_net, lambda m: remat.checkpoint(m, X, use_reentrant=True),
-                           ["use_reentrant=True", "Drop the argument"]),
+    "an option of torch's remat does not know": (
+        _net, lambda m: remat.checkpoint(m, X, policy="selective", respect_saved_tensors_hooks="yes"),
+        ["respect_saved_tensors_hooks", "'yes'", "True, False or None"]),
     "determinism_check typo": (_net, lambda m: remat.checkpoint(m, X, determinism_check="defualt"),
                                ["'defualt'", "('default', 'none')"]),
     "context_fn not callable": (_net, lambda m: remat.checkpoint(m, X, context_fn=("a", "b")),

@@ -1,10 +1,20 @@
-"""The one exception family remat raises."""
+"""The one exception family remat raises.
+
+NOTE [Caught like torch's]
+Code written for ``torch.utils.checkpoint`` catches what torch raises: a
+``CheckpointError`` (a ``RuntimeError``) when recomputation goes wrong, a
+``RuntimeError`` when an input was modified in place before backward, a
+``ValueError`` for an option value torch refuses. Where remat refuses the same
+thing, its error is a :class:`RematError` that is also the exception torch would
+raise there, so ``except RuntimeError`` / ``except CheckpointError`` /
+``except ValueError`` keep working, and so does ``except remat.RematError``.
+"""
 
 from __future__ import annotations
 
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["RecomputeError", "RematError"]
+__all__ = ["CheckpointOptionError", "RecomputeError", "RematError"]
 
 
 class RematError(Exception):
@@ -16,12 +26,13 @@ class RematError(Exception):
 
 
 class RecomputeError(RematError, CheckpointError):
-    """A checkpointed function failed when rerun in backward.
+    """A checkpointed call failed, or cannot be rerun exactly, in backward (NOTE [Caught like torch's]).
 
-    NOTE [Caught like torch's]
-    torch raises ``torch.utils.checkpoint.CheckpointError`` (a ``RuntimeError``) when
-    recomputation goes wrong, and code written for torch catches those. remat's
-    recompute failures are both a :class:`RematError` and a ``CheckpointError``, so
-    ``except RuntimeError``, ``except CheckpointError`` and ``except remat.RematError``
-    all catch them.
+    Also torch's ``CheckpointError`` and so a ``RuntimeError``: torch raises those for a failed
+    recomputation and for an input modified in place before backward.
     """
+
+
+class CheckpointOptionError(RematError, ValueError):
+    """An option of ``torch.utils.checkpoint.checkpoint`` that ``remat.checkpoint`` refuses (its value, or
+    an option remat cannot honour); a ``ValueError``, as torch's refusals of option values are."""

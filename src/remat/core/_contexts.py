@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.core._region import Learned, Region, _written_tensors, observed_recomputation
+from remat.core._region import Learned, Region, _bookkeeping, _written_tensors, observed_recomputation, storage_key
 
 
 class _CopyOnWrite(TorchDispatchMode):
@@ -80,6 +80,46 @@ class ForwardContext:
                 self.remember(learned)
 
 
+# NOTE [Recomputed before the forward ends]
+# A function that calls torch.autograd.grad in its forward (a gradient penalty, a checkpoint inside
+# another whose function differentiates: torch's nested-checkpoint tests) makes torch unpack what the
+# region saved while the forward still runs, and so recompute the whole function then. The region has
+# not settled what the forward wrote (finish_forward), so such a recomputation must not touch anything
+# the forward goes on with: it runs on copies of every buffer of every module it enters (the value the
+# forward started from where the forward already wrote it, else the current one), and, where the
+# callable may write its inputs, on copies of those too (Region.prepare_recompute).
+class _EveryBufferCopied:
+    """Every buffer a recomputation enters swapped for a copy of its pre-forward value, then put back."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.seen: set[int] = set()
+        self.hook: Any = None
+
+    def __enter__(self) -> None:
+        owner = self.region.owner
+        for module in [*self.region.buffer_modules.values(), *(owner.modules() if owner is not None else ())]:
+            self._swap(module)
+        self.hook = nn.modules.module.register_module_forward_pre_hook(lambda module, _args: self._swap(module))
+
+    def _swap(self, module: nn.Module) -> None:
+        if id(module) in self.seen:
+            return
+        self.seen.add(id(module))
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                start = self.region.before.get(storage_key(buf), buf)
+                with torch.no_grad(), _bookkeeping():
+                    module._buffers[name] = start.detach().clone().requires_grad_(buf.requires_grad)
+                self.swapped.append((module, name, buf))
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN001
+        self.hook.remove()
+        for module, name, original in reversed(self.swapped):
+            module._buffers[name] = original
+
+
 class RecomputeContext:
     """Entered around every recomputation (more than one with ``retain_graph=True``)."""
 
@@ -88,9 +128,13 @@ class RecomputeContext:
         self._open: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> None:
+        self.region.recomputations += 1
         observed = observed_recomputation(self.region.owner)
         observed.__enter__()
-        swap = self.region.swapped_buffers() if self.region.buffers else None
+        if not self.region.forward_done:  # NOTE [Recomputed before the forward ends]
+            swap: Any = _EveryBufferCopied(self.region)
+        else:
+            swap = self.region.swapped_buffers() if self.region.buffers else None
         if swap is not None:
             try:
                 swap.__enter__()
@@ -98,8 +142,8 @@ class RecomputeContext:
                 observed.__exit__(type(exc), exc, exc.__traceback__)
                 raise
         self._open.append((observed, swap))
-        if self.region.written_inputs:  # before the selective-checkpoint mode (NOTE in remat.core._region)
-            self.region.prepare_recompute()
+        if self.region.written_inputs or not self.region.forward_done:  # before the selective-checkpoint mode
+            self.region.prepare_recompute()  # (NOTE in remat.core._region)
 
     def __exit__(self, *exc) -> None:  # noqa: ANN001
         self.region.end_recompute()

@@ -232,6 +232,9 @@ class Region:
         self.written_inputs: dict[int, bool] = {}
         """Storage key -> requires_grad of each input the forward wrote in place."""
         self._fresh: dict[int, torch.Tensor] = {}
+        self.forward_done = False  # a recomputation may begin before (NOTE in remat.core._contexts)
+        self.recomputations = 0
+        self._leaves: list[Any] | None = None
         inputs = self.input_tensors()
         self.input_versions: dict[int, int] = {id(t): t._version for t in inputs}
         if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
@@ -284,6 +287,7 @@ class Region:
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
+        self.forward_done = True
         if self.learned is not None:
             return None
         written = {(id(ref()), name) for owners in self.buffers.values() for ref, name in owners if ref() is not None}
@@ -297,13 +301,13 @@ class Region:
         return tuple(weakref.ref(m) for m in self.buffer_modules.values())
 
     def _check_unwatched_writes(self, inputs: list[torch.Tensor]) -> None:
-        from remat.errors import RematError
+        from remat.errors import RecomputeError
 
         changed = [t for t in inputs if t._version != self.input_versions[id(t)]]
         unkept = [k for k, v in self.entry_versions.items() if self.watched[k]._version != v and k not in self.before]
         if changed or unkept:
             what = "one of its inputs" if changed else f"a buffer of shape {tuple(self.watched[unkept[0]].shape)}"
-            raise RematError(
+            raise RecomputeError(
                 f"remat.checkpoint: this call wrote in place to {what}, which the function's first call did not; "
                 "remat watches for such writes only where the first call made them, so it did not keep the "
                 "earlier value and cannot recompute this call exactly. It watches every op from the next call "
@@ -325,7 +329,9 @@ class Region:
         self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
     def restore_inputs(self, tensors: tuple) -> None:
-        """Put back the inputs torch unpacked for a recomputation."""
+        """Put back the inputs torch unpacked for a recomputation (held still if the forward has not ended)."""
+        if self._leaves is None:
+            return
         leaves = list(self._leaves)
         for i, t in zip(self._slots, tensors):
             leaves[i] = t
@@ -337,19 +343,41 @@ class Region:
         """Fresh copies of the inputs the forward wrote, for the recomputation about to begin (NOTE [What
         recomputation must not repeat]); clone() so that an in-place op on one is not one on a leaf."""
         self._fresh = {}
+        if not self.forward_done:
+            self._prepare_early_recompute()
+            return
         for key, requires_grad in self.written_inputs.items():
-            with torch.no_grad():
-                copy = self.before[key].detach()
-            self._fresh[key] = copy.requires_grad_(requires_grad).clone()
+            self._fresh[key] = self._copy_before(key, requires_grad)
+
+    def _copy_before(self, key: int, requires_grad: bool) -> torch.Tensor:
+        with torch.no_grad():
+            copy = self.before[key].detach()
+        return copy.requires_grad_(requires_grad).clone()
+
+    def _prepare_early_recompute(self) -> None:
+        """Where the function may write its inputs, a copy of each for a recomputation that begins before the
+        forward ended (NOTE [Recomputed before the forward ends] in remat.core._contexts): the value before the
+        forward, or a clone that keeps the graph (``torch.autograd.grad`` in the function may differentiate)."""
+        if not self.watches_ops:  # this callable is known to write none of its inputs
+            return
+        for t in self.input_tensors():
+            key = storage_key(t)
+            if key in self._fresh:
+                continue
+            if key in self.before:
+                self._fresh[key] = self._copy_before(key, t.requires_grad)
+            else:
+                with _bookkeeping():
+                    self._fresh[key] = t.clone()
 
     def end_recompute(self) -> None:
         self._fresh = {}
 
     def recompute_inputs(self) -> tuple[tuple, dict]:
-        from remat.errors import RematError
+        from remat.errors import RecomputeError
 
         fresh_copies, self._fresh = self._fresh, {}  # the recomputation's own: not held after it
-        if not self.before and all(t._version == self.input_versions.get(id(t), t._version)
+        if not fresh_copies and not self.before and all(t._version == self.input_versions.get(id(t), t._version)
                                    for t in self.input_tensors()):
             return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
 
@@ -360,7 +388,7 @@ class Region:
             if key in fresh_copies:
                 return fresh_copies[key]
             if t._version != self.input_versions.get(id(t), t._version):
-                raise RematError(
+                raise RecomputeError(  # torch's own check raises a RuntimeError here (NOTE [Caught like torch's])
                     "remat.checkpoint: an input of a checkpointed function was modified in place "
                     f"after the call (version {self.input_versions[id(t)]} -> {t._version}, shape "
                     f"{tuple(t.shape)}); recomputing from it would give wrong gradients. Clone the "

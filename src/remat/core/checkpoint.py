@@ -37,17 +37,28 @@ from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWrit
 from remat.core._region import Region
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._rng import ReplayContext, RngLedger
-from remat.core._torch_options import DEFAULT, CallOptions, no_torch_debug, read_torch_options
+from remat.core._torch_options import (
+    DEFAULT,
+    OPTION_NAMES,
+    CallOptions,
+    no_torch_debug,
+    read_torch_options,
+    route_saved_tensors_hooks,
+    split_torch_options,
+)
 from remat.errors import RecomputeError, RematError
 
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, allow_mutation: bool) -> tuple[Any, Any]:
+def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
     ledger = RngLedger(policy_fn)
-    forward, recompute = create_selective_checkpoint_contexts(ledger.decide, allow_cache_entry_mutation=allow_mutation)
+    forward, recompute = create_selective_checkpoint_contexts(
+        ledger.decide, allow_cache_entry_mutation=options.allow_cache_entry_mutation
+    )
+    route_saved_tensors_hooks(forward, options)  # NOTE in remat.core._torch_options
     # NOTE [Cached outputs written in place] in remat.core._contexts
     written = RecomputeWritten(recompute)
     forward = Stacked(RecomputeWritten(forward, at_exit=True), forward)
@@ -174,7 +185,7 @@ def _run_checkpointed(
         if policy_fn is None:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
         else:
-            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options.allow_cache_entry_mutation)
+            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options)
         if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
             fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
         if recorder is not None:
@@ -194,15 +205,9 @@ def _run_checkpointed(
         try:
             return fn(*rargs, **rkwargs)
         except (_StopRecomputation, RematError):
-            raise  # torch's early stop, or our own message
+            raise  # torch's early stop, or our own message (a region inside this one's included)
         except Exception as exc:
-            raise RecomputeError(
-                f"remat.checkpoint: {getattr(fn, '__qualname__', type(fn).__name__)} failed when rerun in backward "
-                f"({type(exc).__name__}: {exc}). The function must compute the same thing again: a forward side "
-                "effect (a Hugging Face KV cache: pass use_cache=False, or set it to False on every config of the "
-                "model, e.g. model.config and model.decoder.config; remat.apply does that; a counter or cache of "
-                "your own: guard it with `if not remat.is_recomputing()`) or data-dependent control flow changed it."
-            ) from exc
+            raise _recompute_failure(fn, policy, region, exc) from exc
 
     with no_torch_debug():
         out = _torch_checkpoint(
@@ -221,6 +226,31 @@ def _run_checkpointed(
         structure = recorder.structure()
         remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
+
+
+_SAC_ONCE = ("Trying to backward an extra time", "encountered during backward but not found in storage")
+
+
+def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception) -> RecomputeError:
+    """What to tell when ``fn`` failed while rerun in backward."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    again = region.recomputations > 1 or not region.forward_done
+    if (policy_function(policy) is not None and isinstance(exc, RuntimeError)
+            and (_SAC_ONCE[0] in str(exc) or (again and _SAC_ONCE[1] in str(exc)))):
+        return RecomputeError(
+            f"remat.checkpoint: {name} was recomputed more than once (backward twice with retain_graph=True, "
+            "a double backward with create_graph=True, or torch.autograd.grad inside the function), which "
+            f"policy={policy!r} cannot do: torch's selective checkpoint hands each output it keeps to one "
+            f"recomputation only, and torch's own checkpoint with this policy fails the same way ({exc}). "
+            "Use policy='full' for this function: it recomputes as often as backward asks."
+        )
+    return RecomputeError(
+        f"remat.checkpoint: {name} failed when rerun in backward ({type(exc).__name__}: {exc}). The function "
+        "must compute the same thing again: a forward side effect (a Hugging Face KV cache: pass use_cache=False, "
+        "or set it to False on every config of the model, e.g. model.config and model.decoder.config; "
+        "remat.apply does that; a counter or cache of your own: guard it with `if not remat.is_recomputing()`) "
+        "or data-dependent control flow changed it."
+    )
 
 
 def checkpoint(
@@ -264,30 +294,45 @@ def checkpoint(
         preserve_rng_state: restore the RNG streams in recompute so dropout
             draws the same mask. Only turn off for functions that draw nothing.
         use_reentrant, context_fn, determinism_check, debug, early_stop: torch's
-            options, read as torch reads them; ``use_reentrant=True`` is refused
-            (NOTE in ``remat.core._torch_options``).
+            options, read as torch reads them; ``use_reentrant=True`` runs the
+            non-reentrant checkpoint too, with one warning per call site (NOTE in
+            ``remat.core._torch_options``). Options later torches add
+            (``respect_saved_tensors_hooks``) are honoured or refused, never
+            handed to ``fn``.
 
     Like torch, every other keyword goes to ``fn``. A failure while recomputing raises
     :class:`remat.errors.RecomputeError`, which is also torch's ``CheckpointError``
-    (a ``RuntimeError``).
+    (a ``RuntimeError``); a refused option value is also a ``ValueError``.
     Under ``torch.compile`` the call is traced as torch's checkpoint operator with the same
     policy (NOTE [Under torch.compile] in ``remat.core._compiled``).
     """
+    later: dict[str, Any] = {}
+    if kwargs and not OPTION_NAMES.isdisjoint(kwargs):  # options torch added (NOTE in remat.core._torch_options)
+        kwargs, later = split_torch_options(kwargs)
+    torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn, "determinism_check": determinism_check,
+                     "debug": debug, "early_stop": early_stop, "later": later}
     if fn is None:
         if args or kwargs:
             raise RematError(
                 "remat.checkpoint: arguments were given but no function; call "
                 "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
             )
-        torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn,
-                         "determinism_check": determinism_check, "debug": debug, "early_stop": early_stop}
-        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options)
+        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state,
+                                 torch_options=torch_options)
+    return _checkpoint_call(fn, args, kwargs, policy, preserve_rng_state, torch_options)
+
+
+_NO_TORCH_OPTIONS: dict[str, Any] = {"use_reentrant": None, "context_fn": None, "determinism_check": "default",
+                                     "debug": None, "early_stop": None}
+
+
+def _checkpoint_call(
+    fn: Callable, args: tuple, kwargs: dict, policy: Any, preserve_rng_state: bool, torch_options: dict[str, Any]
+) -> Any:
+    """``remat.checkpoint`` once its own keywords are read: every keyword in ``kwargs`` is the function's."""
     if not callable(fn):
         raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
-    policy, options = read_torch_options(
-        policy, use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
-        debug=debug, early_stop=early_stop,
-    )
+    policy, options = read_torch_options(policy, **torch_options)
     policy_function(policy)  # validate before running anything
     if policy == "keep" or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -298,10 +343,12 @@ def checkpoint(
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs, options)
 
 
-def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool, **torch_options: Any) -> F:
+def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool, torch_options: dict[str, Any]) -> F:
     @functools.wraps(fn)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(fn, *args, policy=policy, preserve_rng_state=preserve_rng_state, **torch_options, **kwargs)
+        # Every keyword of the call is the function's, even one named like an option: torch's decorator form
+        # (torch 2.14) does the same.
+        return _checkpoint_call(fn, args, kwargs, policy, preserve_rng_state, torch_options)
 
     return checkpointed  # type: ignore[return-value]
 
@@ -321,9 +368,8 @@ class _CheckpointedForward:
         self.preserve_rng_state = preserve_rng_state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            self.inner, *args, policy=self.policy, preserve_rng_state=self.preserve_rng_state, **kwargs
-        )
+        # The module's keywords are its forward's, all of them (a `debug=` of its own included).
+        return _checkpoint_call(self.inner, args, kwargs, self.policy, self.preserve_rng_state, _NO_TORCH_OPTIONS)
 
 
 def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = True) -> nn.Module:
