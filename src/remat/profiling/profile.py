@@ -76,11 +76,15 @@ def profile(
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     names = find_blocks(model, blocks)
-    if not names:
-        raise RematError(
-            f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated "
-            f"children); pass blocks=[...] with the module names to consider{suggest_blocks(model)}."
-        )
+    if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
+        from remat.profiling._traced import traced_units
+
+        why = (f"found no blocks in {type(model).__name__} (no container with repeated children; pass blocks=[...] "
+               f"with the module names to consider{suggest_blocks(model)})")
+        with traced_units(model, inputs, api="remat.profile", why_no_blocks=why) as names:
+            return profile(model, inputs, loss_fn, blocks=names, policies=policies, warmup=warmup, repeat=repeat,
+                           fake=fake, target=target, training=training, optimizer=optimizer,
+                           accumulation_steps=accumulation_steps)
     policies = validate_policies(policies)
     loop = make_loop(model, optimizer, accumulation_steps, "remat.profile")
     if training is not None and not isinstance(training, bool):
