@@ -20,7 +20,7 @@ __all__ = ["put", "remove"]
 def put(model: nn.Module, plan: Plan) -> None:
     """Checkpoint ``model``'s blocks as ``plan`` says; on any failure (an interrupt too) nothing stays on."""
     # NOTE [Segments own nothing]: a traced model's segments are rebuilt from the plan's names
-    installed = is_traced_plan(plan.assignment) and install_from_names(model, plan.assignment)
+    installed = is_traced_plan(plan.assignment) and install_from_names(model, plan.assignment, training=plan.training)
     try:
         _put(model, plan)
     except BaseException:

@@ -8,11 +8,14 @@ and untraceable ops refuse, and the error says which) and cuts the op list after
 exactly one value computed so far is still needed later (the model's inputs, parameters
 and buffers aside: the caller holds them anyway). That value is all that crosses the cut,
 so consecutive segments are a chain: each one's output is the next one's input. Among such
-points remat takes up to ``MAX_SEGMENTS`` cuts spread evenly over the bytes the ops make,
-each the smallest carry near its place. The segments become the model's units: submodules
-of an ``nn.Sequential`` at ``HOLDER``, called in order by an instance-level ``forward`` of the
+points remat takes up to ``MAX_SEGMENTS`` cuts (segments of ``MIN_SEGMENT_OPS`` ops or more)
+spread evenly over the bytes the ops make (fake tensors: nothing allocated), each the
+smallest carry near its place. The segments become the model's units: submodules of an
+``nn.Sequential`` at ``HOLDER``, called in order by an instance-level ``forward`` of the
 model, so the profile, the planner (nested segments included) and ``remat.apply`` run on
-them unchanged.
+them unchanged. The trace holds Python branches as they went, ``self.training`` ones too,
+so it is made in the mode the profile (or the plan) is for, and another mode runs the
+class's forward.
 
 NOTE [Segments own nothing]
 The segments hold no parameters, buffers or submodules of their own: every attribute the
@@ -27,6 +30,7 @@ hand; ``remat.remove`` takes them off and the model's class ``forward`` runs aga
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -37,12 +41,16 @@ from torch import fx, nn
 
 from remat.errors import RematError
 
-__all__ = ["HOLDER", "MAX_SEGMENTS", "install_from_names", "is_traced_plan", "traced_units", "uninstall"]
+__all__ = ["HOLDER", "MAX_SEGMENTS", "MIN_SEGMENT_OPS", "install_from_names", "is_traced_plan", "traced_units",
+           "uninstall"]
 
 #: The attribute of the model that holds the segments while they are installed.
 HOLDER = "remat_traced"
 #: Most segments a traced forward is cut into (the nested planner's chain grows with it).
 MAX_SEGMENTS = 32
+#: Fewest ops a segment is cut to hold, where the forward has enough: a segment of one op keeps in
+#: backward what checkpointing it would keep (its input), so it saves nothing.
+MIN_SEGMENT_OPS = 4
 _PREFIX = "to_"
 
 
@@ -79,14 +87,23 @@ class _Segment(nn.Module):
 
 
 class _TracedForward:
-    """The model's instance-level ``forward`` while traced: binds the call, runs the segments as a chain."""
+    """The model's instance-level ``forward`` while traced: binds the call, runs the segments as a chain.
 
-    def __init__(self, model: nn.Module, holder: nn.Sequential, signature: inspect.Signature) -> None:
+    The trace holds the Python branches as they went when it was made, ``self.training`` ones included; in
+    any other mode (``model.eval()`` on a model traced for training) the class's forward runs instead, so the
+    model computes what it would without remat (and checkpoints nothing, as eval steps need not).
+    """
+
+    def __init__(self, model: nn.Module, holder: nn.Sequential, signature: inspect.Signature,
+                 modes: dict[nn.Module, bool]) -> None:
         self.holder = holder
         self.signature = signature
-        self.model_name = type(model).__name__
+        self.modes = modes
+        self.own = type(model).forward.__get__(model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(m.training != mode for m, mode in self.modes.items()):
+            return self.own(*args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         values = tuple(bound.arguments.values())
@@ -108,17 +125,25 @@ def _signature(model: nn.Module) -> inspect.Signature:
     return signature
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
+def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dict[nn.Module, bool]]:
+    """The fx trace of ``model``'s class forward in ``training`` mode (None: its modes now), and those modes."""
     if "forward" in model.__dict__:
         raise TracedError("it has an instance-level forward (already wrapped or patched), not its class's")
+    before = {m: m.training for m in model.modules()}
     try:
-        return fx.symbolic_trace(model)
+        if training is not None:
+            model.train(training)
+        modes = {m: m.training for m in model.modules()}
+        return fx.symbolic_trace(model), modes
     except fx.proxy.TraceError as exc:
         raise TracedError(f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
                           "an `if` or loop on a tensor's value cannot be traced") from exc
-    except Exception as exc:  # noqa: BLE001 (whatever fx cannot run is the reason to tell)
+    except Exception as exc:  # whatever fx cannot run is the reason to tell
         raise TracedError(f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
                           "an untraceable op or Python on tensor values") from exc
+    finally:
+        for m, mode in before.items():
+            m.training = mode
 
 
 def _first_line(exc: BaseException) -> str:
@@ -151,44 +176,53 @@ def _carries(nodes: list[fx.Node]) -> dict[int, fx.Node]:
     return found
 
 
-def _nbytes(node: fx.Node) -> int | None:
-    meta = node.meta.get("tensor_meta")
-    if meta is None or not hasattr(meta, "shape"):
-        return None
-    return int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
+class _Sizes(fx.Interpreter):
+    """Runs the trace and records the bytes of every tensor value (NOTE [Cutting a traced forward])."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.sizes: dict[fx.Node, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.sizes[n] = out.numel() * out.element_size()
+        return out
 
 
-def _propagate_shapes(gm: fx.GraphModule, values: tuple) -> bool:
-    """Shapes and dtypes of every value on fake tensors (nothing allocated); False when fake tensors cannot run it."""
+def _sizes(gm: fx.GraphModule, values: tuple) -> dict[fx.Node, int] | None:
+    """Bytes of every tensor value, run on fake tensors (nothing allocated); None when fake tensors cannot run it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.shape_prop import ShapeProp
 
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    sizes = _Sizes(gm)
     try:
-        with torch.no_grad():
-            ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*values)
-    except Exception:  # noqa: BLE001 (then cuts are spread by op count, still at one-value points)
-        return False
-    return True
+        fake = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values)
+        with torch.no_grad(), mode:
+            sizes.run(*fake)
+    except Exception:  # noqa: BLE001 (.item(), data-dependent shapes: cuts are then spread by op count)
+        return None
+    return sizes.sizes
 
 
-def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sized: bool) -> list[int]:
-    """Up to MAX_SEGMENTS - 1 cut positions, spread evenly over the bytes made, each the smallest carry near its place."""
-    weights = [(_nbytes(n) or 0) if sized else int(_is_value(n)) for n in nodes]
+def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[fx.Node, int] | None) -> list[int]:
+    """Up to MAX_SEGMENTS - 1 cut positions, spread evenly over the bytes made (the ops without ``sizes``),
+    each the smallest carry near its place."""
+    weights = [sizes.get(n, 0) if sizes is not None else int(_is_value(n)) for n in nodes]
     total = sum(weights) or 1
     cumulative, running = [], 0
     for w in weights:
         running += w
         cumulative.append(running)
     positions = sorted(carries)
-    count = min(MAX_SEGMENTS, len(positions) + 1)
+    ops = sum(_is_value(n) for n in nodes)
+    count = min(MAX_SEGMENTS, len(positions) + 1, max(2, ops // MIN_SEGMENT_OPS))
     cuts: list[int] = []
     for j in range(1, count):
         target, half = j * total / count, total / count / 2
         near = [p for p in positions if abs(cumulative[p] - target) <= half and (not cuts or p > cuts[-1])]
         if near:
-            cost = (lambda p: (_nbytes(carries[p]) or 0, abs(cumulative[p] - target))) if sized else (
-                lambda p: abs(cumulative[p] - target))
-            cuts.append(min(near, key=cost))
+            cuts.append(min(near, key=lambda p: ((sizes or {}).get(carries[p], 0), abs(cumulative[p] - target))))
     return cuts
 
 
@@ -241,20 +275,21 @@ def _has_attr(model: nn.Module, target: str) -> bool:
     return True
 
 
-def _install(model: nn.Module, gm: fx.GraphModule, signature: inspect.Signature, cuts: list[int],
-             carries: dict[int, fx.Node]) -> list[str]:
+def _install(model: nn.Module, traced: tuple[fx.GraphModule, dict[nn.Module, bool]], signature: inspect.Signature,
+             cuts: list[int], carries: dict[int, fx.Node]) -> list[str]:
+    gm, modes = traced
     if HOLDER in model._modules or hasattr(model, HOLDER):
         raise TracedError(f"it already has an attribute {HOLDER!r}")
     nodes = list(gm.graph.nodes)
     bounds = [-1, *cuts, len(nodes) - 1]
     segments: OrderedDict[str, nn.Module] = OrderedDict()
-    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+    for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         last = k == len(bounds) - 2
         graph = _segment_graph(nodes, lo + 1, hi, carries.get(lo), None if last else carries[hi])
         segments[_PREFIX + ("output" if last else nodes[hi].name)] = _segment(model, gm, graph)
     holder = nn.Sequential(segments)
     model._modules[HOLDER] = holder
-    model.forward = _TracedForward(model, holder, signature)
+    model.forward = _TracedForward(model, holder, signature, modes)
     return [f"{HOLDER}.{name}" for name in segments]
 
 
@@ -274,13 +309,14 @@ def _values(signature: inspect.Signature, inputs: Any) -> tuple:
     return tuple(bound.arguments.values())
 
 
-def _cut(model: nn.Module, inputs: Any) -> list[str]:
+def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
     signature = _signature(model)
     try:
         values = _values(signature, inputs)
     except TypeError as exc:
         raise TracedError(f"its forward{signature} does not take the inputs given ({exc})") from exc
-    gm = _trace(model)
+    traced = _trace(model, training)
+    gm = traced[0]
     nodes = list(gm.graph.nodes)
     carries = _carries(nodes)
     if not carries:
@@ -288,27 +324,32 @@ def _cut(model: nn.Module, inputs: Any) -> list[str]:
         raise TracedError(f"its traced forward ({ops} ops) has no point where a single value carries the state "
                           "from one op to the rest (two or more values are alive after every op), so it cannot "
                           "be cut into a chain")
-    sized = _propagate_shapes(gm, values)
-    if sized:  # a chain passes tensors: a tuple or a number alive alone is no place to cut
-        carries = {p: n for p, n in carries.items() if _nbytes(n) is not None}
-    cuts = _choose_cuts(nodes, carries, sized)
-    return _install(model, gm, signature, cuts, carries)
+    sizes = _sizes(gm, values)
+    if sizes is not None:  # a chain passes tensors: a tuple or a number alive alone is no place to cut
+        carries = {p: n for p, n in carries.items() if n in sizes}
+    cuts = _choose_cuts(nodes, carries, sizes)
+    return _install(model, traced, signature, cuts, carries)
 
 
 @contextmanager
-def traced_units(model: nn.Module, inputs: Any, *, api: str, why_no_blocks: str) -> Iterator[list[str]]:
-    """The names of ``model``'s traced segments, installed for the ``with`` body and taken off after it.
+def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: str, hint: str
+                 ) -> Iterator[list[str]]:
+    """The names of ``model``'s traced segments (traced in ``training`` mode), installed for the ``with`` body
+    and taken off after it.
 
-    A RematError says why when the model can be neither cut into blocks (``why_no_blocks``) nor traced;
+    A RematError says why when the model has no blocks and cannot be cut along its traced forward either;
     the model is then left exactly as it was.
     """
     try:
-        names = _cut(model, inputs)
+        names = _cut(model, inputs, training)
     except TracedError as exc:
         uninstall(model)
-        raise RematError(f"{api}: {why_no_blocks}, and cannot be cut along its traced forward: {exc}. Pass "
-                         "blocks=[...] with module names, or write the forward without tensor-valued branches "
-                         "(torch.where, torch.cond) so that torch.fx can trace it.") from exc
+        raise RematError(
+            f"{api}: found no blocks in {type(model).__name__} (no container with repeated children), and cannot "
+            f"cut its traced forward into segments either: {exc}. Write the forward without Python branches on "
+            "tensor values (torch.where, torch.cond) so that torch.fx can trace it, or pass blocks=[...] with the "
+            f"module names to consider{hint}."
+        ) from exc
     try:
         yield names
     finally:
@@ -319,7 +360,7 @@ def is_traced_plan(names: Iterable[str]) -> bool:
     return any(name.startswith(HOLDER + ".") for name in names)
 
 
-def install_from_names(model: nn.Module, names: Iterable[str]) -> bool:
+def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool | None) -> bool:
     """Rebuild the segments a plan names (NOTE [Segments own nothing]) unless ``model`` has them already;
     True when it built them."""
     names = list(names)
@@ -328,11 +369,11 @@ def install_from_names(model: nn.Module, names: Iterable[str]) -> bool:
     wanted = [n.removeprefix(f"{HOLDER}.{_PREFIX}") for n in names if n.startswith(f"{HOLDER}.{_PREFIX}")]
     try:
         signature = _signature(model)
-        gm = _trace(model)
+        traced = _trace(model, training)
     except TracedError as exc:
         raise RematError(f"remat.apply: the plan checkpoints segments of {type(model).__name__}'s traced forward, "
                          f"but this model cannot be traced: {exc}.") from exc
-    nodes = list(gm.graph.nodes)
+    nodes = list(traced[0].graph.nodes)
     position = {n.name: i for i, n in enumerate(nodes)}
     carries = _carries(nodes)
     cuts = sorted(position[w] for w in wanted if w != "output" and w in position)
@@ -341,5 +382,5 @@ def install_from_names(model: nn.Module, names: Iterable[str]) -> bool:
         raise RematError(f"remat.apply: the plan names traced segments {bad or names} that {type(model).__name__}'s "
                          "traced forward does not end a chain at; was the plan made for another model? Profile "
                          "this one with remat.profile and plan again.")
-    _install(model, gm, signature, cuts, carries)
+    _install(model, traced, signature, cuts, carries)
     return True

@@ -79,9 +79,7 @@ def profile(
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
         from remat.profiling._traced import traced_units
 
-        why = (f"found no blocks in {type(model).__name__} (no container with repeated children; pass blocks=[...] "
-               f"with the module names to consider{suggest_blocks(model)})")
-        with traced_units(model, inputs, api="remat.profile", why_no_blocks=why) as names:
+        with traced_units(model, inputs, training=training, api="remat.profile", hint=suggest_blocks(model)) as names:
             return profile(model, inputs, loss_fn, blocks=names, policies=policies, warmup=warmup, repeat=repeat,
                            fake=fake, target=target, training=training, optimizer=optimizer,
                            accumulation_steps=accumulation_steps)
