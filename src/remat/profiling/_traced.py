@@ -120,8 +120,8 @@ def _signature(model: nn.Module) -> inspect.Signature:
     signature = inspect.signature(type(model).forward.__get__(model))
     kinds = {p.kind for p in signature.parameters.values()}
     if not signature.parameters or kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
-        raise TracedError(f"its forward{signature} takes no named inputs or takes *args / **kwargs, which a traced "
-                          "forward cannot bind")
+        raise TracedError("its forward takes no named inputs, or takes *args or **kwargs, which a traced forward "
+                          "cannot bind")
     return signature
 
 
@@ -137,7 +137,8 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
         return fx.symbolic_trace(model), modes
     except fx.proxy.TraceError as exc:
         raise TracedError(f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
-                          "an `if` or loop on a tensor's value cannot be traced") from exc
+                          "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
+                          "express it)") from exc
     except Exception as exc:  # whatever fx cannot run is the reason to tell
         raise TracedError(f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
                           "an untraceable op or Python on tensor values") from exc
@@ -167,7 +168,8 @@ def _carries(nodes: list[fx.Node]) -> dict[int, fx.Node]:
     for node, i in last_use.items():
         ends.setdefault(i, []).append(node)
     found: dict[int, fx.Node] = {}
-    for i, node in enumerate(nodes[:-1]):
+    last_op = max((i for i, n in enumerate(nodes) if _is_value(n)), default=0)
+    for i, node in enumerate(nodes[:last_op]):  # a cut leaves ops on both sides
         if _is_value(node) and node in last_use:
             live.add(node)
         live.difference_update(ends.get(i, ()))
@@ -216,7 +218,7 @@ def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[
         cumulative.append(running)
     positions = sorted(carries)
     ops = sum(_is_value(n) for n in nodes)
-    count = min(MAX_SEGMENTS, len(positions) + 1, max(2, ops // MIN_SEGMENT_OPS))
+    count = min(MAX_SEGMENTS, len(positions) + 1, ops // MIN_SEGMENT_OPS)
     cuts: list[int] = []
     for j in range(1, count):
         target, half = j * total / count, total / count / 2
@@ -319,8 +321,11 @@ def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
     gm = traced[0]
     nodes = list(gm.graph.nodes)
     carries = _carries(nodes)
+    ops = sum(_is_value(n) for n in nodes)
+    if ops < 2 * MIN_SEGMENT_OPS:
+        raise TracedError(f"its traced forward runs {ops} op(s), too few to cut into segments of "
+                          f"{MIN_SEGMENT_OPS} or more that could save memory")
     if not carries:
-        ops = sum(_is_value(n) for n in nodes)
         raise TracedError(f"its traced forward ({ops} ops) has no point where a single value carries the state "
                           "from one op to the rest (two or more values are alive after every op), so it cannot "
                           "be cut into a chain")
@@ -346,9 +351,8 @@ def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: s
         uninstall(model)
         raise RematError(
             f"{api}: found no blocks in {type(model).__name__} (no container with repeated children), and cannot "
-            f"cut its traced forward into segments either: {exc}. Write the forward without Python branches on "
-            "tensor values (torch.where, torch.cond) so that torch.fx can trace it, or pass blocks=[...] with the "
-            f"module names to consider{hint}."
+            f"cut its traced forward into segments either: {exc}. Pass blocks=[...] with the module names to "
+            f"consider{hint}."
         ) from exc
     try:
         yield names
