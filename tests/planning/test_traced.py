@@ -120,7 +120,7 @@ def test_auto_at_half_the_peak_and_remove(heavy):
     ref = twin(model)
     plan = remat.auto(model, x, budget=0.5, warmup=0, repeat=1)
     assert plan.measured_peak_bytes <= plan.budget_bytes == plan.baseline_peak_bytes // 2
-    assert isinstance(model.__dict__.get("forward"), object) and HOLDER in dict(model.named_modules())
+    assert "forward" in model.__dict__ and HOLDER in dict(model.named_modules())
     assert remat.measure(model, x, repeat=1, warmup=0).peak_bytes <= plan.budget_bytes
     ref.zero_grad()
     model.zero_grad()
@@ -129,6 +129,7 @@ def test_auto_at_half_the_peak_and_remove(heavy):
     assert torch.equal(out, out_ref) and torch.equal(gx, gx_ref)
     assert_grads_equal(ref, model)
     assert list(model.state_dict()) == list(ref.state_dict())
+    assert remat.doctor(model, x).ok and remat.doctor(ref, x).ok
     remat.remove(model)
     assert "forward" not in model.__dict__ and [n for n, _ in model.named_modules()] == [""]
 
@@ -159,6 +160,12 @@ def test_a_saved_plan_rebuilds_the_segments_on_another_copy(heavy):
     remat.apply(other, plan)
     assert [b.name for b in prof.blocks] == [f"{HOLDER}.{n}" for n, _ in getattr(other, HOLDER).named_children()]
     assert remat.measure(other, x, repeat=1, warmup=1).peak_bytes == plan.predicted_peak_bytes
+    shorter = HeavyModel(loops=12)
+    other_plan = remat.plan(remat.profile(shorter, x, policies=("keep", "full"), warmup=0, repeat=1), budget=0.5)
+    untouched = Untouched(other)
+    with pytest.raises(remat.RematError, match="another plan's traced forward"):
+        remat.apply(other, other_plan)
+    untouched.check()
     # the segments read the model's parameter when they run: a loaded state is seen, a deep copy is its own
     copied = copy.deepcopy(other)
     other.load_state_dict({"a": torch.tensor(1.5)})

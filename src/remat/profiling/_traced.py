@@ -369,7 +369,12 @@ def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool
     True when it built them."""
     names = list(names)
     if HOLDER in model._modules:
-        return False
+        have = sorted(f"{HOLDER}.{n}" for n, _ in model._modules[HOLDER].named_children())
+        if have == sorted(n for n in names if n.startswith(f"{HOLDER}.")):
+            return False
+        raise RematError(f"remat.apply: {type(model).__name__} runs the segments of another plan's traced forward "
+                         f"({len(have)} segments, this plan has {len(names)}); take them off with "
+                         "remat.remove(model) first.")
     wanted = [n.removeprefix(f"{HOLDER}.{_PREFIX}") for n in names if n.startswith(f"{HOLDER}.{_PREFIX}")]
     try:
         signature = _signature(model)
