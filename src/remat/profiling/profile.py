@@ -39,7 +39,8 @@ def profile(
         inputs: a tensor, a tuple (positional) or a dict (keyword arguments).
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` or the sum of the outputs.
         blocks: the checkpointing units: ``"auto"`` (default), ``"coarse"``, ``"fine"``,
-            or a list of module names.
+            or a list of module names. A model with none is cut along its forward traced by
+            ``torch.fx`` (NOTE [Cutting a traced forward] in ``remat.profiling._traced``).
         policies: the policies to profile (``keep`` is always added). Both selective
             policies by default: by module is cheap where each op's Python shows (fast
             GPUs, bf16), op by op keeps less where attention runs unfused; the planner
