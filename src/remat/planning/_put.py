@@ -12,12 +12,24 @@ from remat.core._segment import schedule_segments, unschedule
 from remat.core.checkpoint import unwrap, wrap
 from remat.planning._plan_checks import check_plan_fits
 from remat.planning.plan import Plan
+from remat.profiling._traced import install_from_names, is_traced_plan, uninstall
 
 __all__ = ["put", "remove"]
 
 
 def put(model: nn.Module, plan: Plan) -> None:
     """Checkpoint ``model``'s blocks as ``plan`` says; on any failure (an interrupt too) nothing stays on."""
+    # NOTE [Segments own nothing]: a traced model's segments are rebuilt from the plan's names
+    installed = is_traced_plan(plan.assignment) and install_from_names(model, plan.assignment, training=plan.training)
+    try:
+        _put(model, plan)
+    except BaseException:
+        if installed:
+            uninstall(model)
+        raise
+
+
+def _put(model: nn.Module, plan: Plan) -> None:
     check_plan_fits(model, plan)
     modules = dict(model.named_modules())
     check_no_double_checkpointing(model, plan.checkpointed, api="remat.apply")
@@ -47,5 +59,6 @@ def remove(model: nn.Module) -> nn.Module:
     for module in eager_module(model).modules():
         unschedule(module)
         unwrap(module)
+    uninstall(eager_module(model))
     restore_cache(model)
     return model

@@ -247,7 +247,7 @@ def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_opti
     if backend is not None or "policies" in profile_options or FINE in prof.policies:
         return False
     modules = dict(model.named_modules())
-    return any(inner_layers(modules[b.name]) for b in prof.blocks)
+    return any(b.name in modules and inner_layers(modules[b.name]) for b in prof.blocks)  # traced: not here
 
 
 def _compile_backend(compiled: bool | str, verify: bool, profile_options: dict) -> str | None:

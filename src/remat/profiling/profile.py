@@ -39,7 +39,8 @@ def profile(
         inputs: a tensor, a tuple (positional) or a dict (keyword arguments).
         loss_fn: ``loss_fn(output) -> scalar``; default ``output.loss`` or the sum of the outputs.
         blocks: the checkpointing units: ``"auto"`` (default), ``"coarse"``, ``"fine"``,
-            or a list of module names.
+            or a list of module names. A model with none is cut along its forward traced by
+            ``torch.fx`` (NOTE [Cutting a traced forward] in ``remat.profiling._traced``).
         policies: the policies to profile (``keep`` is always added). Both selective
             policies by default: by module is cheap where each op's Python shows (fast
             GPUs, bf16), op by op keeps less where attention runs unfused; the planner
@@ -76,11 +77,13 @@ def profile(
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     names = find_blocks(model, blocks)
-    if not names:
-        raise RematError(
-            f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated "
-            f"children); pass blocks=[...] with the module names to consider{suggest_blocks(model)}."
-        )
+    if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
+        from remat.profiling._traced import traced_units
+
+        with traced_units(model, inputs, training=training, api="remat.profile", hint=suggest_blocks(model)) as names:
+            return profile(model, inputs, loss_fn, blocks=names, policies=policies, warmup=warmup, repeat=repeat,
+                           fake=fake, target=target, training=training, optimizer=optimizer,
+                           accumulation_steps=accumulation_steps)
     policies = validate_policies(policies)
     loop = make_loop(model, optimizer, accumulation_steps, "remat.profile")
     if training is not None and not isinstance(training, bool):

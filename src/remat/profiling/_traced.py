@@ -1,0 +1,395 @@
+"""Units for a model with no blocks: its forward traced by ``torch.fx`` and cut into a chain of segments.
+
+NOTE [Cutting a traced forward]
+A model with no submodules to checkpoint (a forward that loops a function over a tensor,
+seed 002's ``HeavyModel``) still keeps every intermediate for backward. remat traces its
+forward with ``torch.fx.symbolic_trace`` (Python loops unroll; data-dependent control flow
+and untraceable ops refuse, and the error says which) and cuts the op list after ops where
+exactly one value computed so far is still needed later (the model's inputs, parameters
+and buffers aside: the caller holds them anyway). That value is all that crosses the cut,
+so consecutive segments are a chain: each one's output is the next one's input. Among such
+points remat takes up to ``MAX_SEGMENTS`` cuts (segments of ``MIN_SEGMENT_OPS`` ops or more)
+spread evenly over the bytes the ops make (fake tensors: nothing allocated), each the
+smallest carry near its place. The segments become the model's units: submodules of an
+``nn.Sequential`` at ``HOLDER``, called in order by an instance-level ``forward`` of the
+model, so the profile, the planner (nested segments included) and ``remat.apply`` run on
+them unchanged. The trace holds Python branches as they went, ``self.training`` ones too,
+so it is made in the mode the profile (or the plan) is for, and another mode runs the
+class's forward.
+
+NOTE [Segments own nothing]
+The segments hold no parameters, buffers or submodules of their own: every attribute the
+traced code reads (``self.a``, ``self.fc1``) is looked up on the model when the segment
+runs, so ``state_dict()`` keys and ``named_parameters()`` are unchanged, parameters are
+shared (a ``load_state_dict`` or optimizer step is seen), and nothing is copied. A unit's
+name carries its cut (``remat_traced.to_mul_199``: the segment ending at the traced op
+``mul_199``), so ``remat.apply`` rebuilds the same segments from a plan with no inputs at
+hand; ``remat.remove`` takes them off and the model's class ``forward`` runs again.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from remat.errors import RematError
+
+__all__ = ["HOLDER", "MAX_SEGMENTS", "MIN_SEGMENT_OPS", "install_from_names", "is_traced_plan", "traced_units",
+           "uninstall"]
+
+#: The attribute of the model that holds the segments while they are installed.
+HOLDER = "remat_traced"
+#: Most segments a traced forward is cut into (the nested planner's chain grows with it).
+MAX_SEGMENTS = 32
+#: Fewest ops a segment is cut to hold, where the forward has enough: a segment of one op keeps in
+#: backward what checkpointing it would keep (its input), so it saves nothing.
+MIN_SEGMENT_OPS = 4
+_PREFIX = "to_"
+
+
+class TracedError(RematError):
+    """A model's forward cannot be traced, or its trace cannot be cut into a chain."""
+
+
+class _Segment(nn.Module):
+    """One segment: the Python fx writes for its graph, run with ``self`` this module; attributes it does not
+    have come from the model (NOTE [Segments own nothing])."""
+
+    def __init__(self, model: nn.Module, graph: fx.Graph, consts: dict[str, Any]) -> None:
+        super().__init__()
+        code = graph.python_code(root_module="self")
+        scope = dict(code.globals)
+        exec(compile(code.src, "<remat traced segment>", "exec"), scope)  # noqa: S102 (fx's own code)
+        object.__setattr__(self, "_remat_code", scope["forward"])
+        object.__setattr__(self, "_remat_owner", model)
+        object.__setattr__(self, "_remat_consts", consts)
+
+    def forward(self, *args: Any) -> Any:
+        return self.__dict__["_remat_code"](self, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            owner, consts = self.__dict__.get("_remat_owner"), self.__dict__.get("_remat_consts", {})
+            if name in consts:
+                return consts[name]
+            if owner is None:
+                raise
+            return getattr(owner, name)
+
+
+class _TracedForward:
+    """The model's instance-level ``forward`` while traced: binds the call, runs the segments as a chain.
+
+    The trace holds the Python branches as they went when it was made, ``self.training`` ones included; in
+    any other mode (``model.eval()`` on a model traced for training) the class's forward runs instead, so the
+    model computes what it would without remat (and checkpoints nothing, as eval steps need not).
+    """
+
+    def __init__(self, model: nn.Module, holder: nn.Sequential, signature: inspect.Signature,
+                 modes: dict[nn.Module, bool]) -> None:
+        self.holder = holder
+        self.signature = signature
+        self.modes = modes
+        self.own = type(model).forward.__get__(model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(m.training != mode for m, mode in self.modes.items()):
+            return self.own(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = tuple(bound.arguments.values())
+        carry = values[0]
+        for segment in self.holder:
+            carry = segment(carry, *values)
+        return carry
+
+
+# --- tracing --------------------------------------------------------------------------------------
+
+
+def _signature(model: nn.Module) -> inspect.Signature:
+    signature = inspect.signature(type(model).forward.__get__(model))
+    kinds = {p.kind for p in signature.parameters.values()}
+    if not signature.parameters or kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        raise TracedError("its forward takes no named inputs, or takes *args or **kwargs, which a traced forward "
+                          "cannot bind")
+    return signature
+
+
+def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dict[nn.Module, bool]]:
+    """The fx trace of ``model``'s class forward in ``training`` mode (None: its modes now), and those modes."""
+    if "forward" in model.__dict__:
+        raise TracedError("it has an instance-level forward (already wrapped or patched), not its class's")
+    before = {m: m.training for m in model.modules()}
+    try:
+        if training is not None:
+            model.train(training)
+        modes = {m: m.training for m in model.modules()}
+        return fx.symbolic_trace(model), modes
+    except fx.proxy.TraceError as exc:
+        raise TracedError(f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
+                          "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
+                          "express it)") from exc
+    except Exception as exc:  # whatever fx cannot run is the reason to tell
+        raise TracedError(f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
+                          "an untraceable op or Python on tensor values") from exc
+    finally:
+        for m, mode in before.items():
+            m.training = mode
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _is_value(node: fx.Node) -> bool:
+    """A value computed by the forward (not an input, a parameter or a buffer)."""
+    return node.op not in ("placeholder", "get_attr", "output")
+
+
+def _carries(nodes: list[fx.Node]) -> dict[int, fx.Node]:
+    """Position -> the one value alive after the op there, where exactly one is (NOTE [Cutting a traced forward])."""
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for used in node.all_input_nodes:
+            last_use[used] = i
+    live: set[fx.Node] = set()
+    ends: dict[int, list[fx.Node]] = {}
+    for node, i in last_use.items():
+        ends.setdefault(i, []).append(node)
+    found: dict[int, fx.Node] = {}
+    last_op = max((i for i, n in enumerate(nodes) if _is_value(n)), default=0)
+    for i, node in enumerate(nodes[:last_op]):  # a cut leaves ops on both sides
+        if _is_value(node) and node in last_use:
+            live.add(node)
+        live.difference_update(ends.get(i, ()))
+        if _is_value(node) and len(live) == 1:
+            found[i] = next(iter(live))
+    return found
+
+
+class _Sizes(fx.Interpreter):
+    """Runs the trace and records the bytes of every tensor value (NOTE [Cutting a traced forward])."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.sizes: dict[fx.Node, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.sizes[n] = out.numel() * out.element_size()
+        return out
+
+
+def _sizes(gm: fx.GraphModule, values: tuple) -> dict[fx.Node, int] | None:
+    """Bytes of every tensor value, run on fake tensors (nothing allocated); None when fake tensors cannot run it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    sizes = _Sizes(gm)
+    try:
+        fake = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values)
+        with torch.no_grad(), mode:
+            sizes.run(*fake)
+    except Exception:  # noqa: BLE001 (.item(), data-dependent shapes: cuts are then spread by op count)
+        return None
+    return sizes.sizes
+
+
+def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[fx.Node, int] | None) -> list[int]:
+    """Up to MAX_SEGMENTS - 1 cut positions, spread evenly over the bytes made (the ops without ``sizes``),
+    each the smallest carry near its place."""
+    weights = [sizes.get(n, 0) if sizes is not None else int(_is_value(n)) for n in nodes]
+    total = sum(weights) or 1
+    cumulative, running = [], 0
+    for w in weights:
+        running += w
+        cumulative.append(running)
+    positions = sorted(carries)
+    ops = sum(_is_value(n) for n in nodes)
+    count = min(MAX_SEGMENTS, len(positions) + 1, ops // MIN_SEGMENT_OPS)
+    cuts: list[int] = []
+    for j in range(1, count):
+        target, half = j * total / count, total / count / 2
+        near = [p for p in positions if abs(cumulative[p] - target) <= half and (not cuts or p > cuts[-1])]
+        if near:
+            cuts.append(min(near, key=lambda p: ((sizes or {}).get(carries[p], 0), abs(cumulative[p] - target))))
+    return cuts
+
+
+# --- segments -----------------------------------------------------------------------------------
+
+
+def _segment_graph(nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | None, carry_out: fx.Node | None
+                   ) -> fx.Graph:
+    """Ops lo..hi (inclusive) as a graph of (carry, *the model's inputs) -> carry (or the model's output)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    carry = graph.placeholder("remat_carry")
+    if carry_in is not None:
+        env[carry_in] = carry
+    for node in nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n not in env and n.op == "get_attr":
+            env[n] = graph.get_attr(n.target)
+        return env[n]
+
+    for node in nodes[lo:hi + 1]:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lookup))
+            return graph
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(lookup(carry_out))
+    return graph
+
+
+def _segment(model: nn.Module, gm: fx.GraphModule, graph: fx.Graph) -> _Segment:
+    consts = {}
+    for node in graph.nodes:  # tensors fx made from constants in the forward live on the trace, not the model
+        if node.op == "get_attr" and not _has_attr(model, node.target):
+            head = node.target.split(".")[0]
+            consts[head] = getattr(gm, head)
+    return _Segment(model, graph, consts)
+
+
+def _has_attr(model: nn.Module, target: str) -> bool:
+    obj: Any = model
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _install(model: nn.Module, traced: tuple[fx.GraphModule, dict[nn.Module, bool]], signature: inspect.Signature,
+             cuts: list[int], carries: dict[int, fx.Node]) -> list[str]:
+    gm, modes = traced
+    if HOLDER in model._modules or hasattr(model, HOLDER):
+        raise TracedError(f"it already has an attribute {HOLDER!r}")
+    nodes = list(gm.graph.nodes)
+    bounds = [-1, *cuts, len(nodes) - 1]
+    segments: OrderedDict[str, nn.Module] = OrderedDict()
+    for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        last = k == len(bounds) - 2
+        graph = _segment_graph(nodes, lo + 1, hi, carries.get(lo), None if last else carries[hi])
+        segments[_PREFIX + ("output" if last else nodes[hi].name)] = _segment(model, gm, graph)
+    holder = nn.Sequential(segments)
+    model._modules[HOLDER] = holder
+    model.forward = _TracedForward(model, holder, signature, modes)
+    return [f"{HOLDER}.{name}" for name in segments]
+
+
+def uninstall(model: nn.Module) -> None:
+    """Take the traced segments off ``model`` (no-op when it has none): its class's forward runs again."""
+    if isinstance(model.__dict__.get("forward"), _TracedForward):
+        del model.forward
+    if isinstance(model._modules.get(HOLDER), nn.Sequential):
+        del model._modules[HOLDER]
+
+
+def _values(signature: inspect.Signature, inputs: Any) -> tuple:
+    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (
+        (inputs, {}) if isinstance(inputs, tuple) else ((inputs,), {}))
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+
+
+def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
+    signature = _signature(model)
+    try:
+        values = _values(signature, inputs)
+    except TypeError as exc:
+        raise TracedError(f"its forward{signature} does not take the inputs given ({exc})") from exc
+    traced = _trace(model, training)
+    gm = traced[0]
+    nodes = list(gm.graph.nodes)
+    carries = _carries(nodes)
+    ops = sum(_is_value(n) for n in nodes)
+    if ops < 2 * MIN_SEGMENT_OPS:
+        raise TracedError(f"its traced forward runs {ops} op(s), too few to cut into segments of "
+                          f"{MIN_SEGMENT_OPS} or more that could save memory")
+    if not carries:
+        raise TracedError(f"its traced forward ({ops} ops) has no point where a single value carries the state "
+                          "from one op to the rest (two or more values are alive after every op), so it cannot "
+                          "be cut into a chain")
+    sizes = _sizes(gm, values)
+    if sizes is not None:  # a chain passes tensors: a tuple or a number alive alone is no place to cut
+        carries = {p: n for p, n in carries.items() if n in sizes}
+    cuts = _choose_cuts(nodes, carries, sizes)
+    return _install(model, traced, signature, cuts, carries)
+
+
+@contextmanager
+def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: str, hint: str
+                 ) -> Iterator[list[str]]:
+    """The names of ``model``'s traced segments (traced in ``training`` mode), installed for the ``with`` body
+    and taken off after it.
+
+    A RematError says why when the model has no blocks and cannot be cut along its traced forward either;
+    the model is then left exactly as it was.
+    """
+    try:
+        names = _cut(model, inputs, training)
+    except TracedError as exc:
+        uninstall(model)
+        raise RematError(
+            f"{api}: found no blocks in {type(model).__name__} (no container with repeated children), and cannot "
+            f"cut its traced forward into segments either: {exc}. Pass blocks=[...] with the module names to "
+            f"consider{hint}."
+        ) from exc
+    try:
+        yield names
+    finally:
+        uninstall(model)
+
+
+def is_traced_plan(names: Iterable[str]) -> bool:
+    return any(name.startswith(HOLDER + ".") for name in names)
+
+
+def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool | None) -> bool:
+    """Rebuild the segments a plan names (NOTE [Segments own nothing]) unless ``model`` has them already;
+    True when it built them."""
+    names = list(names)
+    if HOLDER in model._modules:
+        have = sorted(f"{HOLDER}.{n}" for n, _ in model._modules[HOLDER].named_children())
+        if have == sorted(n for n in names if n.startswith(f"{HOLDER}.")):
+            return False
+        raise RematError(f"remat.apply: {type(model).__name__} runs the segments of another plan's traced forward "
+                         f"({len(have)} segments, this plan has {len(names)}); take them off with "
+                         "remat.remove(model) first.")
+    wanted = [n.removeprefix(f"{HOLDER}.{_PREFIX}") for n in names if n.startswith(f"{HOLDER}.{_PREFIX}")]
+    try:
+        signature = _signature(model)
+        traced = _trace(model, training)
+    except TracedError as exc:
+        raise RematError(f"remat.apply: the plan checkpoints segments of {type(model).__name__}'s traced forward, "
+                         f"but this model cannot be traced: {exc}.") from exc
+    nodes = list(traced[0].graph.nodes)
+    position = {n.name: i for i, n in enumerate(nodes)}
+    carries = _carries(nodes)
+    cuts = sorted(position[w] for w in wanted if w != "output" and w in position)
+    bad = [w for w in wanted if w != "output" and (w not in position or position[w] not in carries)]
+    if bad or "output" not in wanted:
+        raise RematError(f"remat.apply: the plan names traced segments {bad or names} that {type(model).__name__}'s "
+                         "traced forward does not end a chain at; was the plan made for another model? Profile "
+                         "this one with remat.profile and plan again.")
+    _install(model, traced, signature, cuts, carries)
+    return True

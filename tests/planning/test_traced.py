@@ -1,0 +1,209 @@
+"""Models with no blocks: their traced forward cut into a chain of segments (``remat.profiling._traced``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat.profiling._traced import HOLDER
+from tests.conftest import Untouched, assert_grads_equal, twin
+
+
+def heavy_function(x, a):
+    # seed 002's function with * for +: an add keeps nothing for backward, a mul keeps its input
+    for _ in range(10):
+        x = x * a
+    return x
+
+
+class HeavyModel(nn.Module):
+    """Seed 002's model, smaller: a forward that loops a function, no submodules."""
+
+    def __init__(self, loops: int = 20) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(1.0001))
+        self.loops = loops
+
+    def forward(self, x):
+        for _ in range(self.loops):
+            x = heavy_function(x, self.a)
+        return x
+
+
+class Branchy(HeavyModel):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            x = x * self.a
+        return heavy_function(x, self.a)
+
+
+class Sized(HeavyModel):
+    def forward(self, x):
+        for _ in range(x.shape[0]):  # Python on a tensor's shape: range() of an fx Proxy
+            x = x * self.a
+        return x
+
+
+class CountMuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.muls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.muls += func is torch.ops.aten.mul.Tensor
+        return func(*args, **(kwargs or {}))
+
+
+def train_step(model, x):
+    """One step on a fresh leaf over ``x``; returns the output, the input's gradient and the muls it ran."""
+    leaf = x.detach().requires_grad_()
+    with CountMuls() as counter:
+        out = model(leaf)
+        out.sum().backward()
+    return out.detach(), leaf.grad, counter.muls
+
+
+def ops_per_segment(names):
+    """Traced muls in each segment: its name ends at ``to_mul_K`` (the K+1-th mul) or at the output."""
+    ends = [int(n.rsplit("_", 1)[1]) if n.rsplit("_", 1)[1].isdigit() else 0 for n in names[:-1]]
+    bounds = [-1, *ends, 20 * 10 - 1]
+    return {name: b - a for name, a, b in zip(names, bounds, bounds[1:])}
+
+
+@pytest.fixture
+def heavy():
+    torch.manual_seed(0)
+    return HeavyModel(), torch.randn(4000)
+
+
+def test_seed_002_model_gets_a_plan_at_half_its_peak(heavy):
+    model, x = heavy
+    ref = twin(model)
+    keys, params = list(model.state_dict()), list(model.parameters())
+    prof = remat.profile(model, x, policies=("keep", "full"), warmup=0, repeat=1)
+    names = [b.name for b in prof.blocks]
+    assert len(names) > 8 and all(n.startswith(f"{HOLDER}.") for n in names)
+    assert "forward" not in model.__dict__ and HOLDER not in dict(model.named_modules())  # profile took them off
+    plan = remat.plan(prof, budget=0.5, nested=False)
+    budget = prof.baseline_peak_bytes // 2
+    assert plan.predicted_peak_bytes <= budget and plan.checkpointed
+
+    remat.apply(model, plan)
+    assert list(model.state_dict()) == keys and list(model.parameters()) == params
+    assert not list(getattr(model, HOLDER).parameters()) and not list(getattr(model, HOLDER).buffers())
+    measured = remat.measure(model, x, repeat=1, warmup=1).peak_bytes
+    assert measured <= budget
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+
+    out_ref, gx_ref, muls_ref = train_step(ref, x)
+    out, gx, muls = train_step(model, x)
+    assert torch.equal(out, out_ref) and torch.equal(gx, gx_ref)
+    assert_grads_equal(ref, model)
+    # recomputation: the muls of each checkpointed segment ran once more in backward, but for its last one
+    # (torch's early stop: recomputation ends with the last tensor backward needs, the last mul's input)
+    per_segment = ops_per_segment(names)
+    assert sum(per_segment.values()) == 200
+    assert muls - muls_ref == sum(per_segment[n] - 1 for n in plan.checkpointed) > 0
+
+    remat.remove(model)
+    assert "forward" not in model.__dict__ and [n for n, _ in model.named_modules()] == [""]
+    assert list(model.state_dict()) == keys
+
+
+def test_auto_at_half_the_peak_and_remove(heavy):
+    model, x = heavy
+    ref = twin(model)
+    plan = remat.auto(model, x, budget=0.5, warmup=0, repeat=1)
+    assert plan.measured_peak_bytes <= plan.budget_bytes == plan.baseline_peak_bytes // 2
+    assert "forward" in model.__dict__ and HOLDER in dict(model.named_modules())
+    assert remat.measure(model, x, repeat=1, warmup=0).peak_bytes <= plan.budget_bytes
+    ref.zero_grad()
+    model.zero_grad()
+    out_ref, gx_ref, _ = train_step(ref, x)
+    out, gx, _ = train_step(model, x)
+    assert torch.equal(out, out_ref) and torch.equal(gx, gx_ref)
+    assert_grads_equal(ref, model)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert remat.doctor(model, x).ok and remat.doctor(ref, x).ok
+    remat.remove(model)
+    assert "forward" not in model.__dict__ and [n for n, _ in model.named_modules()] == [""]
+
+
+def test_nested_plan_near_the_floor_is_exact(heavy):
+    model, x = heavy
+    ref = twin(model)
+    prof = remat.profile(model, x, warmup=0, repeat=1)
+    plan = remat.plan(prof, budget=int(remat.plan(prof, strategy="none").min_peak_bytes * 1.02))
+    remat.apply(model, plan)
+    try:
+        measured = remat.measure(model, x, repeat=1, warmup=1).peak_bytes
+        out_ref, gx_ref, _ = train_step(ref, x)
+        out, gx, _ = train_step(model, x)
+    finally:
+        remat.remove(model)
+    assert measured <= plan.budget_bytes < prof.baseline_peak_bytes // 4
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * plan.predicted_peak_bytes
+    assert torch.equal(out, out_ref) and torch.equal(gx, gx_ref)
+    assert_grads_equal(ref, model)
+
+
+def test_a_saved_plan_rebuilds_the_segments_on_another_copy(heavy):
+    model, x = heavy
+    other = twin(model)
+    prof = remat.profile(model, x, policies=("keep", "full"), warmup=0, repeat=1)
+    plan = remat.Plan.from_json(remat.plan(prof, budget=0.5).to_json())
+    remat.apply(other, plan)
+    assert [b.name for b in prof.blocks] == [f"{HOLDER}.{n}" for n, _ in getattr(other, HOLDER).named_children()]
+    assert remat.measure(other, x, repeat=1, warmup=1).peak_bytes == plan.predicted_peak_bytes
+    shorter = HeavyModel(loops=12)
+    other_plan = remat.plan(remat.profile(shorter, x, policies=("keep", "full"), warmup=0, repeat=1), budget=0.5)
+    untouched = Untouched(other)
+    with pytest.raises(remat.RematError, match="another plan's traced forward"):
+        remat.apply(other, other_plan)
+    untouched.check()
+    # the segments read the model's parameter when they run: a loaded state is seen, a deep copy is its own
+    copied = copy.deepcopy(other)
+    other.load_state_dict({"a": torch.tensor(1.5)})
+    assert torch.equal(other(x), model.__class__.forward(other, x))
+    assert torch.equal(copied(x), model(x))
+    assert getattr(copied, HOLDER)[0].__dict__["_remat_owner"] is copied
+
+
+def test_eval_mode_runs_the_class_forward(heavy):
+    class Dropping(HeavyModel):
+        def forward(self, x):
+            x = heavy_function(x, self.a)
+            if self.training:  # traced as it went: the trace holds the training branch only
+                x = x * 2
+            return heavy_function(x, self.a)
+
+    model, x = Dropping(), heavy[1]
+    prof = remat.profile(model, x, policies=("keep", "full"), warmup=0, repeat=1)
+    remat.apply(model, remat.plan(prof, budget=0.5))
+    with torch.no_grad():
+        trained = model(x)
+        model.eval()
+        evaluated = model(x)
+    remat.remove(model)
+    with torch.no_grad():
+        assert torch.equal(evaluated, model(x)) and torch.equal(trained, model.train()(x))
+
+
+@pytest.mark.parametrize("cls, why", [
+    (Branchy, "data-dependent control flow"),
+    (Sized, "torch.fx cannot trace its forward (TypeError"),
+])
+def test_a_model_that_cannot_be_traced_is_told_why_and_left_as_it_was(cls, why):
+    model, x = cls(), torch.randn(8)
+    untouched = Untouched(model)
+    for call in (lambda: remat.profile(model, x), lambda: remat.auto(model, x, budget=0.5)):
+        with pytest.raises(remat.RematError, match="found no blocks") as err:
+            call()
+        assert why in str(err.value) and "cannot cut its traced forward" in str(err.value)
+        untouched.check()
+        assert [n for n, _ in model.named_modules()] == [""]
