@@ -22,19 +22,22 @@ mode is entered only in recomputations of calls where a kept op moved a generato
 puts the generators back as it found them on leaving (a device torch did not fork).
 
 NOTE [Random draws are seen, not named]
-Which kept ops draw is observed, not looked up by name: neither an op's name nor its
-``nondeterministic_seeded`` tag tells of a custom op, a Triton kernel or flash attention
-that draws inside. After each op the policy keeps, the ledger reads the default
-generators in use (the CPU one's Mersenne Twister state; a CUDA one's Philox seed and
-offset, which a kernel launch moves on the host) and compares them with the states it
-last read: moved means drawn. Only kept ops are read, and tagged random ops (so that
-their draws are not blamed on the next kept op); a recomputed op draws again by itself.
-A draw by an untagged recomputed op between two kept ops is blamed on the later one;
-setting the state it left is harmless, as the recomputed op has moved the generator
-there already. The cost is one state read per kept op (a few microseconds on CPU,
-against a matmul's tens), nothing on the ops the policy recomputes. Where a kept op that
-is known to draw meets a generator whose state cannot be read (CUDA graph capture), the
-draw cannot be replayed and the call is refused with a RematError.
+Which kept ops draw is observed, not looked up by name: nothing in a custom op's name
+or tags tells that it draws inside (a ``torch.library.custom_op`` calling ``torch.rand``,
+a Triton or flash-attention kernel with dropout). After each such op the policy keeps,
+the ledger reads the default generators in use (the CPU one's Mersenne Twister state; a
+CUDA one's Philox seed and offset, which a kernel launch moves on the host) and compares
+them with the states it last read: moved means drawn. torch's own ops declare their
+draws: every aten overload that takes a generator, and each attention kernel with
+dropout, is tagged ``nondeterministic_seeded`` (a test checks it on the installed torch),
+so a kept aten op is read only when tagged, and a kept matmul costs nothing. Ops the
+policy recomputes are never read: they draw again by themselves in recompute. A draw by
+a recomputed op since the last read is thus blamed on the next kept op read; setting
+the state it left is harmless (recompute has drawn the same by then), it only costs the
+dispatch mode in that call's recompute.
+Where a kept op that is known to draw meets a generator whose state cannot be read
+(CUDA graph capture), the draw cannot be replayed and the call is refused with a
+RematError.
 
 torch before ``SelectiveCheckpointContext(op_output=...)`` asks the policy before it
 runs the op; the ledger then reads the states at the next policy call, which comes right
@@ -63,6 +66,22 @@ POLICY_AFTER_OP = "op_output" in inspect.signature(SelectiveCheckpointContext).p
 def draws_random(func: Any) -> bool:
     """True for an op that consumes an RNG (its schema is tagged ``nondeterministic_seeded``)."""
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
+def declares_draws(func: Any) -> bool:
+    """True for an op whose randomness its tags tell (torch's own aten ops); others are observed."""
+    return getattr(func, "namespace", None) == "aten"
+
+
+_WATCHED: dict[Any, bool] = {}
+
+
+def _watched(func: Any) -> bool:
+    """Whether the ledger follows ``func``'s calls: it draws, or it may (NOTE [Random draws are seen, not named])."""
+    watched = _WATCHED.get(func)
+    if watched is None:
+        watched = _WATCHED[func] = draws_random(func) or not declares_draws(func)
+    return watched
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -110,45 +129,47 @@ class RngLedger:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.calls: defaultdict[Any, int] = defaultdict(int)
-        """Calls of each op so far: the k-th call of an op in forward is its k-th in recompute."""
+        """Calls so far of each op that may draw: the k-th call of an op in forward is its k-th in recompute."""
         self.states: dict[tuple[Any, int], list[tuple[torch.Generator, torch.Tensor]]] = {}
         self._last: list[list[Any]] = []
         """[generator, bytes of its state last read] (the call starts before its forward)."""
         for generator in generators_in_use():
             state = read_state(generator)
             self._last.append([generator, None if state is None else state[1]])
-        self._pending: tuple[Any, int, bool] | None = None
+        self._pending: tuple[Any, int] | None = None
 
     def decide(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         """The user's policy, noting the generators' states after each kept op (NOTE above)."""
         decision = self.policy(ctx, func, *args, **kwargs)
-        if ctx.is_recompute or torch.compiler.is_compiling():
+        if ctx.is_recompute:
             return decision
         if self._pending is not None:  # torch asked before the op: it has run now
             self._observe(*self._pending)
             self._pending = None
+        if not _watched(func) or torch.compiler.is_compiling():
+            return decision  # the hot path: torch's own ops that draw nothing
         index = self.calls[func]
         self.calls[func] = index + 1
-        saved = decision in SAVE_DECISIONS
-        if saved or draws_random(func):
+        if decision in SAVE_DECISIONS:
             if POLICY_AFTER_OP:
-                self._observe(func, index, saved)
+                self._observe(func, index)
             else:
-                self._pending = (func, index, saved)
+                self._pending = (func, index)
         return decision
 
-    def _observe(self, func: Any, index: int, saved: bool) -> None:
+    def _observe(self, func: Any, index: int) -> None:
+        """Record the generators' states after the kept ``func`` where they moved since the last read."""
         moved = []
         for entry in self._last:
             state = read_state(entry[0])
             if state is None:
-                if saved and draws_random(func):
+                if draws_random(func):
                     raise _unreplayable(func, entry[0])
                 continue
             if state[1] != entry[1]:
                 entry[1] = state[1]
                 moved.append((entry[0], state[0]))
-        if saved and moved:
+        if moved:
             self.states[(func, index)] = moved
 
     def replay(self) -> _Replay | None:
