@@ -123,6 +123,15 @@ def fingerprint() -> tuple[bytes | None, ...]:
     return tuple(None if s is None else s[1] for s in map(read_state, generators_in_use()))
 
 
+def _tensors(values: tuple) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (a schema's are flat: Tensor, Tensor[], Tensor?[]); cheaper than pytree."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (t for t in value if isinstance(t, torch.Tensor))
+
+
 class RngLedger:
     """Generator states right after each kept op that moved them, in one checkpointed forward."""
 
@@ -151,11 +160,20 @@ class RngLedger:
         index = self.calls[func]
         self.calls[func] = index + 1
         if decision in SAVE_DECISIONS:
+            self._follow(args, kwargs)
             if POLICY_AFTER_OP:
                 self._observe(func, index)
             else:
                 self._pending = (func, index)
         return decision
+
+    def _follow(self, args: tuple, kwargs: dict) -> None:
+        """Also read the generators of the devices a kept op's tensors are on (a device not current). One first
+        seen now has no earlier state: its first read counts as moved, which is harmless (NOTE above)."""
+        for device in {t.device for t in _tensors((*args, *kwargs.values()))}:
+            generator = _default_generator(device)
+            if generator is not None and all(entry[0] is not generator for entry in self._last):
+                self._last.append([generator, None])
 
     def _observe(self, func: Any, index: int) -> None:
         """Record the generators' states after the kept ``func`` where they moved since the last read."""
