@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import pytest
 import torch
@@ -369,6 +370,17 @@ def test_every_aten_op_that_takes_a_generator_is_tagged_random() -> None:
                 untagged.append(str(op))
     assert untagged == []
     assert _rng.declares_draws(aten.mm.default) and not _rng.declares_draws(noisy_scale._opoverload)
+
+
+def test_generator_states_are_read_for_real_under_fake_tensors() -> None:
+    # A fake-tensor profile runs the ledger: the state must not become a fake tensor (garbage bytes).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = _rng.read_state(torch.default_generator)
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, data = _rng.read_state(torch.default_generator)
+    assert type(state) is torch.Tensor and data == real[1]
 
 
 def test_generators_in_use_and_random_tags() -> None:

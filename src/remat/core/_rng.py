@@ -110,12 +110,14 @@ def generators_in_use() -> list[torch.Generator]:
 
 
 def read_state(generator: torch.Generator) -> tuple[torch.Tensor, bytes] | None:
-    """(state, its bytes to compare) of ``generator``; None where it cannot be read (CUDA graph capture)."""
-    try:
-        state = generator.get_state()
-    except RuntimeError:
-        return None
-    return state, state.numpy().tobytes()
+    """(state, its bytes to compare) of ``generator``; None where it cannot be read (CUDA graph capture).
+    Read with Python dispatch off: under a fake-tensor profile the state would be made a fake tensor."""
+    with torch._C._DisableTorchDispatch():
+        try:
+            state = generator.get_state()
+        except RuntimeError:
+            return None
+        return state, state.numpy().tobytes()
 
 
 def fingerprint() -> tuple[bytes | None, ...]:
@@ -224,7 +226,8 @@ class _Replay(TorchDispatchMode):
 
     def __enter__(self) -> _Replay:
         self.calls.clear()  # each recomputation (retain_graph) replays from the start
-        self._found = [(g, g.get_state()) for g in self._generators()]
+        found = ((g, read_state(g)) for g in self._generators())
+        self._found = [(g, state[0]) for g, state in found if state is not None]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
