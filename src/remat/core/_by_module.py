@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.core._cheap_regions import Writes, _Frame, _Outputs
 from remat.core._region import _written_tensors, storage_key
-from remat.core._rng import draws_random
+from remat.core._rng import draws_random, fingerprint
 
 _local = threading.local()
 
@@ -149,6 +149,12 @@ def _wraps_tensors(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t) for t in leaves)
 
 
+# NOTE [A region never draws]
+# A cheap region reruns in backward with no generator restored (its block is not recomputed, so torch's
+# stash of the RNG state does not cover it): a submodule that drew random numbers must not become one, or
+# its rerun draws another mask. Draws are seen, not named (NOTE [Random draws are seen, not named] in
+# remat.core._rng): a submodule whose generators' states differ between entering and leaving it on the
+# learning call drew, be it a dropout, a custom op or a kernel that draws inside. Read only on that call.
 class StructureRecorder(TorchDispatchMode):
     """Entered around a block's first selective forward: which submodules are cheap."""
 
@@ -161,6 +167,8 @@ class StructureRecorder(TorchDispatchMode):
         self.any_heavy = False
         self.subclass = False
         """A submodule took or returned a tensor subclass (NOTE [Tensor subclasses stay op-level])."""
+        self._rng: list[tuple[bytes | None, ...]] = []
+        """The generators' states when each submodule on the stack was entered (NOTE [A region never draws])."""
         self._hooks: list[Any] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -180,11 +188,14 @@ class StructureRecorder(TorchDispatchMode):
         seen = self.seen.setdefault(id(module), _Seen(module))
         seen.ancestors.update(id(s.module) for s in self.stack)
         self.stack.append(seen)
+        self._rng.append(fingerprint())
 
     def _leave_module(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self.stack or self.stack[-1].module is not module:
             return
         seen = self.stack.pop()
+        if fingerprint() != self._rng.pop():  # it drew, whatever its ops are named
+            seen.heavy = self.any_heavy = True
         inputs = _tensor_keys((args, kwargs))
         fits = (isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point()
                 and storage_key(output) not in inputs and not (seen.writes & inputs))

@@ -64,6 +64,14 @@ def compiled_policy_function(policy: Any) -> Callable[..., Any] | None:
     return policy_function(policy)
 
 
+def _overload(op: Any) -> Any:
+    """The op overload a policy list names: a ``torch.library.custom_op`` stands for its only overload."""
+    custom = getattr(getattr(torch, "_library", None), "custom_ops", None)
+    if custom is not None and isinstance(op, custom.CustomOpDef):
+        return op._opoverload
+    return op
+
+
 def _save_listed(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -75,13 +83,14 @@ def policy_function(policy: Any) -> Callable[..., Any] | None:
     if isinstance(policy, str) and policy in ("selective", "selective-ops"):
         return _save_compute_intensive
     if isinstance(policy, (list, tuple, set, frozenset)):
-        odd = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
+        ops = [_overload(op) for op in policy]
+        odd = [op for op in ops if not isinstance(op, torch._ops.OpOverload)]
         if odd:
             raise RematError(
                 f"remat.checkpoint: a policy list holds aten op overloads to save, got {odd[0]!r} "
                 f"({type(odd[0]).__name__}); name an overload, e.g. torch.ops.aten.mm.default."
             )
-        return functools.partial(_save_listed, frozenset(policy))
+        return functools.partial(_save_listed, frozenset(ops))
     if callable(policy) and not isinstance(policy, str):
         return policy
     raise RematError(
