@@ -6,7 +6,15 @@ BIN := $(VENV)/bin
 # (remat installs beside a user's CUDA build), which pip could satisfy with a multi-GB CUDA wheel.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+# The compatibility lane: the newest torch remat declares, from PyPI (its CUDA build, which runs on
+# CPU), with the oldest transformers it declares, in a venv of its own beside the main one.
+COMPAT_VENV := .venv-compat
+COMPAT_BIN := $(COMPAT_VENV)/bin
+COMPAT_TORCH ?= torch==2.14.1
+COMPAT_TRANSFORMERS ?= transformers==4.57.6
+COMPAT_TESTS ?= tests/core tests/planning tests/profiling tests/diagnosis
+
+.PHONY: setup demo test test-compat bench clean
 
 $(BIN)/remat: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,5 +31,16 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+$(COMPAT_BIN)/remat: pyproject.toml
+	$(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_BIN)/pip install -q --upgrade pip
+	$(COMPAT_BIN)/pip install -q $(COMPAT_TORCH)
+	$(COMPAT_BIN)/pip install -q -e '.[test,models,plot]' $(COMPAT_TRANSFORMERS)
+	touch $@
+
+test-compat: $(COMPAT_BIN)/remat
+	$(COMPAT_BIN)/python -c 'import torch, transformers; print("compat lane: torch", torch.__version__, "transformers", transformers.__version__)'
+	$(COMPAT_BIN)/python -m pytest -q $(COMPAT_TESTS)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build src/*.egg-info .pytest_cache
