@@ -2,11 +2,19 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The exact CPU wheel on disk, installed before remat: pyproject only asks for torch>=2.4
+# The exact CPU wheel on disk, installed before remat: pyproject asks for a range
 # (remat installs beside a user's CUDA build), which pip could satisfy with a multi-GB CUDA wheel.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean
+# The compatibility lane: the newest torch remat declares, from PyPI (its CUDA build, which runs on
+# CPU), with the oldest transformers it declares, in a venv of its own beside the main one.
+COMPAT_VENV := .venv-compat
+COMPAT_BIN := $(COMPAT_VENV)/bin
+COMPAT_TORCH ?= torch==2.14.1
+COMPAT_TRANSFORMERS ?= transformers==4.57.6
+COMPAT_TESTS ?= tests/core tests/planning tests/profiling tests/diagnosis
+
+.PHONY: setup demo test test-fast test-compat bench clean
 
 $(BIN)/remat: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,5 +39,16 @@ test-fast: setup
 bench: setup
 	$(BIN)/python benchmarks/bench.py
 
+$(COMPAT_BIN)/remat: pyproject.toml
+	$(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_BIN)/pip install -q --upgrade pip
+	$(COMPAT_BIN)/pip install -q $(COMPAT_TORCH)
+	$(COMPAT_BIN)/pip install -q -e '.[test,models,plot]' $(COMPAT_TRANSFORMERS)
+	touch $@
+
+test-compat: $(COMPAT_BIN)/remat
+	$(COMPAT_BIN)/python -c 'import torch, transformers; print("compat lane: torch", torch.__version__, "transformers", transformers.__version__)'
+	$(COMPAT_BIN)/python -m pytest -q $(COMPAT_TESTS)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build src/*.egg-info .pytest_cache

@@ -19,12 +19,15 @@ import remat
 from remat.cli._demo import SeedCifarReentrant
 from remat.core import checkpoint as remat_checkpoint
 from remat.core._state import capture
+from remat.diagnosis._doors import doors
 from conftest import assert_state_equal
 
+# The private globals the doctor swaps on this torch (found from the public checkpoint).
+FUNCTION, GENERATOR = doors()
 ORIGINALS = {
     "checkpoint": tc.checkpoint,
-    "CheckpointFunction": tc.CheckpointFunction,
-    "generator": tc._checkpoint_without_reentrant_generator,
+    "CheckpointFunction": getattr(tc, FUNCTION),
+    "generator": getattr(tc, GENERATOR),
     "remat": remat_checkpoint._run_checkpointed,
 }
 
@@ -32,14 +35,14 @@ ORIGINALS = {
 def _torch_untouched():
     now = {
         "checkpoint": tc.checkpoint,
-        "CheckpointFunction": tc.CheckpointFunction,
-        "generator": tc._checkpoint_without_reentrant_generator,
+        "CheckpointFunction": getattr(tc, FUNCTION),
+        "generator": getattr(tc, GENERATOR),
         "remat": remat_checkpoint._run_checkpointed,
     }
     assert all(now[k] is ORIGINALS[k] for k in ORIGINALS), now
     # Nor does any module (torch imports some lazily, by value) keep one of the doctor's stand-ins.
     for name, module in list(sys.modules.items()):
-        for attr in ("CheckpointFunction", "_checkpoint_without_reentrant_generator", "_run_checkpointed"):
+        for attr in (FUNCTION, GENERATOR, "_run_checkpointed"):
             value = getattr(module, "__dict__", {}).get(attr)
             assert value is None or value in ORIGINALS.values(), (name, attr, value)
 
@@ -517,6 +520,24 @@ def test_bad_options_are_remat_errors():
         remat.doctor(nn.Linear(2, 2).requires_grad_(False), torch.randn(1, 2))
 
 
+def test_the_doors_are_what_the_public_checkpoint_calls_and_a_missed_door_is_an_error(monkeypatch):
+    # torch renames its private checkpoint internals (2.14 calls ..._generator_impl, not ..._generator): the
+    # doctor finds them from the public function, and a door the public checkpoint does not pass through
+    # (a stale name) is an error, never a report that the model does no checkpointing.
+    from remat.diagnosis import _doors
+
+    assert issubclass(getattr(tc, FUNCTION), torch.autograd.Function)
+    real = getattr(tc, GENERATOR)
+
+    def stale(*args, **kwargs):
+        return (yield from real(*args, **kwargs))
+
+    monkeypatch.setattr(tc, "_a_stale_generator", stale, raising=False)
+    with pytest.raises(remat.RematError, match=r"cannot see checkpointing in torch .*non-reentrant checkpoint"):
+        _doors._canary(FUNCTION, "_a_stale_generator")
+    _torch_untouched()
+
+
 def test_modules_torch_imports_lazily_during_the_doctor_do_not_keep_its_stand_ins():
     # In a fresh process the first checkpoint call imports torch._dynamo, which imports the
     # composable checkpoint API, which imports the non-reentrant generator by value.
@@ -526,7 +547,7 @@ def test_modules_torch_imports_lazily_during_the_doctor_do_not_keep_its_stand_in
         "lin, x = torch.nn.Linear(2, 2), torch.randn(3, 2)\n"
         "remat.doctor(torch.nn.Sequential(lin, remat.wrap(torch.nn.Linear(2, 2))), x, measure_cost=False)\n"
         "import torch.distributed._composable.checkpoint_activation as ca\n"
-        "assert ca._checkpoint_without_reentrant_generator is tc._checkpoint_without_reentrant_generator\n"
+        f"assert ca.{GENERATOR} is tc.{GENERATOR}\n"
     )
     proc = __import__("subprocess").run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -580,6 +601,8 @@ def test_transformers_output_capturing_hooks_are_not_repeated_side_effects():
 def test_a_users_recording_hook_on_the_same_model_is_still_found():
     model, inputs = _mixtral_with_remat_plan()
     seen = []
-    model.model.layers[0].mlp.gate.register_forward_hook(lambda module, args, out: seen.append(out))
+    # The router is layers.0.mlp.gate in transformers 5, layers.0.block_sparse_moe.gate in 4.x.
+    name, gate = next((n, m) for n, m in model.named_modules() if n.startswith("model.layers.0.") and n.endswith(".gate"))
+    gate.register_forward_hook(lambda module, args, out: seen.append(out))
     found = only(remat.doctor(model, inputs, measure_cost=False), "side-effects-repeated")
-    assert "model.layers.0.mlp.gate" in found.modules and "seen is list of length 2" in found.message
+    assert name in found.modules and "seen is list of length 2" in found.message

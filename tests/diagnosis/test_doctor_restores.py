@@ -10,14 +10,15 @@ from torch import nn
 
 import remat
 from remat.core import checkpoint as remat_checkpoint
+from remat.diagnosis._doors import doors
 from conftest import Interruptible, UntouchedByCtrlC, ctrl_c_while_restoring_rng
 
-DOORS = (tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator, remat_checkpoint._run_checkpointed)
+NAMES = doors()
+DOORS = (*(getattr(tc, name) for name in NAMES), remat_checkpoint._run_checkpointed)
 
 
 def _doors_closed():
-    assert (tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator,
-            remat_checkpoint._run_checkpointed) == DOORS
+    assert (*(getattr(tc, name) for name in NAMES), remat_checkpoint._run_checkpointed) == DOORS
 
 
 @pytest.mark.parametrize("at", [0, 1, 3])  # the step without checkpointing, as written, a measured step

@@ -238,10 +238,10 @@ class _Gated(nn.Module):
         return self.drop(self.lin(x).tanh() * gate)
 
 
-def _loop_plan(segments):
+def _loop_plan(segments, model="_Loop"):
     names = [f"layers.{i}" for i in range(4)]
     return remat.Plan({n: "keep" for n in names} | {"layers.3": "full", "layers.1": "full"}, 1, 0.0, 1, 1, None,
-                      "optimal", "_Loop", segments=segments)
+                      "optimal", model, segments=segments)
 
 
 def test_segments_over_a_module_list_loop_match_gradients():
@@ -268,6 +268,62 @@ def test_a_parent_that_does_not_chain_its_blocks_is_refused():
     with pytest.raises(remat.RematError, match="two or more blocks"):
         remat.apply(model, _loop_plan((("layers.0", "layers.2"), ("layers.1", "layers.3"))))
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+class _TupleLoop(nn.Module):
+    """Blocks returning tuples, the parent handing ``out[0]`` on (Hugging Face blocks in transformers 4.x)."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_TupleGated(extra) for _ in range(4))
+
+    def forward(self, x):
+        gate = x.mean(dim=0).sigmoid()
+        for layer in self.layers:
+            out = layer(x, gate=gate)
+            x = out[0]
+        return out
+
+
+class _TupleGated(_Gated):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.extra, self.calls = extra, 0
+
+    def forward(self, x, gate):
+        self.calls += 1
+        h = super().forward(x, gate)
+        return (h, h.detach().mean() if self.extra else None, None)
+
+
+def test_segments_over_blocks_returning_tuples_match_gradients():
+    torch.manual_seed(0)
+    ref, model = _TupleLoop(), _TupleLoop()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(8, 16)
+
+    def step(m):
+        torch.manual_seed(0)
+        out = m(x)
+        out[0].square().sum().backward()
+        return out, {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    ref_out, ref_grads = step(ref)
+    remat.apply(model, _loop_plan((("layers.0", "layers.3"), ("layers.0", "layers.1")), "_TupleLoop"))
+    out, grads = step(model)
+    assert out[1:] == (None, None) and torch.equal(out[0], ref_out[0])  # the last block's tuple, as without remat
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    assert all(layer.calls > 1 for layer in model.layers)  # recomputed in backward (one call each without remat)
+    remat.remove(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_blocks_returning_another_tensor_beside_the_hidden_state_are_refused():
+    model = _TupleLoop(extra=True)
+    remat.apply(model, _loop_plan((("layers.0", "layers.1"),), "_TupleLoop"))
+    with pytest.raises(remat.RematError, match="tuple of 3, not a tensor"):
+        model(torch.randn(8, 16))
+    remat.remove(model)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

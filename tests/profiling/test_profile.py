@@ -305,3 +305,22 @@ def test_blocks_that_begin_with_an_in_place_relu_profile_under_every_policy():
         if prof.predict_peak(assignment) != measured:
             bad.append((pick, prof.predict_peak(assignment), measured))
     assert not bad
+
+
+def test_auto_blocks_do_not_refine_a_layer_into_its_experts():
+    # A mixture-of-experts decoder layer (transformers 4.x Mixtral) holds a list of expert MLPs that its router
+    # calls per token: with fewer than 8 layers, refining into the experts would leave the attention unplanned.
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.attention = nn.LayerNorm(4), Attention()
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)) for _ in range(3))
+
+    model = nn.Sequential(Layer(), Layer())
+    assert find_blocks(model) == ["0", "1"]
+    assert find_blocks(model, "fine") == ["0", "1"]

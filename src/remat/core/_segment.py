@@ -17,6 +17,15 @@ for a chain: each such call must receive exactly that output and the same other
 arguments, or it raises a RematError (before anything else uses the result).
 Forward hooks of those blocks see the segment's output; their submodules' hooks run
 as usual.
+
+NOTE [Tuple hand-offs]
+Hugging Face blocks of transformers 4.x return a tuple whose first element is the
+hidden state, the rest ``None`` unless attentions or caches were asked for; the
+parent hands ``out[0]`` to the next block. Such a tuple is a chain link too: the
+next block gets its first element, and the later blocks, called with that element,
+return the segment's output in the same shape (``(hidden, None, ...)``). A tuple
+with another tensor in it (attention weights, T5's position bias) is not: remat
+cannot tell whether the parent uses that tensor, so the segment refuses to run.
 """
 
 from __future__ import annotations
@@ -63,16 +72,25 @@ class _Run:
 
     def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
         for item in self.items[:-1]:
-            x = checkpoint(item, x, *rest, **kwargs) if isinstance(item, _Run) else item(x, *rest, **kwargs)
-            if not isinstance(x, torch.Tensor):
-                raise RematError(
-                    f"remat.apply: a block inside a nested segment returned a {type(x).__name__}, not a tensor; "
-                    "remat runs a segment only where each block's output is the next block's input (a chain), "
-                    "and cannot tell what the parent takes from it (T5's blocks return the hidden states with "
-                    "the position bias). Plan with remat.plan(profile, budget, nested=False) for this model."
-                )
+            out = checkpoint(item, x, *rest, **kwargs) if isinstance(item, _Run) else item(x, *rest, **kwargs)
+            x, _ = _hand_off(out)
         last = self.items[-1]
         return checkpoint(last, x, *rest, **kwargs) if isinstance(last, _Run) else last(x, *rest, **kwargs)
+
+
+def _hand_off(out: Any) -> tuple[torch.Tensor, tuple | None]:
+    """(what the next block of the chain gets, the rest of a tuple output or None); NOTE [Tuple hand-offs]."""
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if type(out) is tuple and out and isinstance(out[0], torch.Tensor) and all(v is None for v in out[1:]):
+        return out[0], out[1:]
+    raise RematError(
+        f"remat.apply: a block inside a nested segment returned a {type(out).__name__}"
+        f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not a tensor (or a tuple of one tensor and "
+        "Nones); remat runs a segment only where each block's output is the next block's input (a chain), "
+        "and cannot tell what the parent takes from it (T5's blocks return the hidden states with "
+        "the position bias). Plan with remat.plan(profile, budget, nested=False) for this model."
+    )
 
 
 class _Head:
@@ -84,6 +102,8 @@ class _Head:
         self.run = run
         self.names = names
         self.last: tuple[Any, int | None, tuple, dict, list[int | None]] | None = None
+        self.tail: tuple | None = None
+        """The Nones after the hidden state when the blocks return tuples (NOTE [Tuple hand-offs])."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not args:
@@ -94,11 +114,9 @@ class _Head:
             )
         x, rest = args[0], args[1:]
         out = checkpoint(self.run, x, *rest, **kwargs)
-        try:
-            ref: Any = weakref.ref(out)
-        except TypeError:
-            ref = lambda: out  # noqa: E731 (not weakly referenceable: a tuple)
-        self.last = (ref, _version(out), rest, kwargs, [_version(v) for v in (*rest, *kwargs.values())])
+        handed, self.tail = _hand_off(out)
+        self.last = (weakref.ref(handed), _version(handed), rest, kwargs,
+                     [_version(v) for v in (*rest, *kwargs.values())])
         return out
 
 
@@ -120,7 +138,7 @@ class _Skip:
                 "so the blocks are not a chain remat can run as one region. Plan with "
                 "remat.plan(profile, budget, nested=False) for this model."
             )
-        return args[0]
+        return args[0] if self.head.tail is None else (args[0], *self.head.tail)
 
     def _is_chained(self, args: tuple, kwargs: dict) -> bool:
         last = self.head.last

@@ -7,12 +7,13 @@ called as an attribute or imported by name, ``checkpoint_sequential``, torch's
 function), and ``remat.checkpoint``/``remat.wrap`` (which call torch's non-reentrant
 checkpoint). Swapping the public function would miss every kept reference. All these
 doors end in one of two module globals that torch's ``checkpoint`` looks up at call
-time: ``CheckpointFunction`` (reentrant) and ``_checkpoint_without_reentrant_generator``
-(non-reentrant; the composable ``checkpoint(module)`` API imported it by name, so its
-reference is swapped too). Swapping those two sees every call and can turn any one of
-them into a plain call of the function: the all-plain run is the doctor's reference.
-remat's ``_run_checkpointed`` is swapped too, only to learn which user function a remat
-region runs (torch sees remat's internal closure).
+time: an ``autograd.Function`` (reentrant) and a generator (non-reentrant; the
+composable ``checkpoint(module)`` API imports it by name, so its reference is swapped
+too). Swapping those two sees every call and can turn any one of them into a plain call
+of the function: the all-plain run is the doctor's reference.
+
+Which two globals these are depends on torch's version: see NOTE [Finding the doors by what
+checkpoint calls] in ``remat.diagnosis._doors``.
 
 NOTE [Call keys]
 A call is known by (call site, target, occurrence). The site is the first frame outside
@@ -48,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 # ``_run_checkpointed`` and knows remat's frames by its file.
 from remat.core import checkpoint as remat_checkpoint
 from remat.core._rng import SAVE_DECISIONS, draws_random
+from remat.diagnosis._doors import doors
 from remat.errors import RematError
 
 CallKey = tuple[str, str, int]
@@ -62,7 +64,6 @@ _RUNNERS = frozenset(os.path.join(_REMAT_DIR, wing, f)
                      for wing, f in (("core", "_step.py"), ("core", "measure.py"), ("diagnosis", "doctor.py")))
 _UNSET_WARNING = "use_reentrant parameter should be passed explicitly"
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
-_GENERATOR = "_checkpoint_without_reentrant_generator"
 # Libraries whose own gradient checkpointing calls torch's (``enable_gradient_checkpointing``).
 _LIBRARIES = {"transformers": "Hugging Face", "diffusers": "diffusers"}
 
@@ -378,16 +379,17 @@ def session(icpt: Interceptor) -> Iterator[None]:
     """Swap the checkpoint doors (NOTE above) and silence warnings; everything is put back on exit."""
     if isinstance(tuc.CheckpointFunction, _ReentrantDoor):
         raise RematError("remat.doctor: another remat.doctor is already running in this process; run one at a time.")
-    real_gen = getattr(tuc, _GENERATOR)
+    function_name, generator_name = doors()
+    real_gen = getattr(tuc, generator_name)
     door = functools.partial(icpt.non_reentrant, real_gen, inspect.signature(real_gen))
     patches = [
-        (tuc, "CheckpointFunction", _ReentrantDoor(icpt, tuc.CheckpointFunction)),
-        (tuc, _GENERATOR, door),
+        (tuc, function_name, _ReentrantDoor(icpt, getattr(tuc, function_name))),
+        (tuc, generator_name, door),
         (remat_checkpoint, "_run_checkpointed", functools.partial(icpt.remat_run, remat_checkpoint._run_checkpointed)),
     ]
     composable = sys.modules.get(_COMPOSABLE)
-    if composable is not None and getattr(composable, _GENERATOR, None) is real_gen:
-        patches.append((composable, _GENERATOR, door))
+    if composable is not None and getattr(composable, generator_name, None) is real_gen:
+        patches.append((composable, generator_name, door))
     with contextlib.ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("always")

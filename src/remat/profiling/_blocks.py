@@ -47,8 +47,18 @@ def _refine(model: nn.Module, names: list[str]) -> list[str]:
     refined: list[str] = []
     for name in names:
         inner = _level(modules[name], f"{name}.")
-        refined.extend(inner or [name])
+        refined.extend(inner if _holds_all_parameters(modules[name], [modules[n] for n in inner]) else [name])
     return refined
+
+
+def _holds_all_parameters(block: nn.Module, inner: list[nn.Module]) -> bool:
+    """Whether ``inner`` holds every parameter of ``block``'s non-leaf children: only then is refining it a
+    finer cut of the same work (a stack's own leaves, its embedding and final norm, stay outside). A decoder
+    layer of a mixture of experts holds a list of expert MLPs that its router calls per token; refining into
+    those would leave the attention outside every block."""
+    held = {id(p) for module in inner for p in module.parameters()}
+    return bool(inner) and all(id(p) in held for child in block.children() if not _is_leaf(child)
+                               for p in child.parameters())
 
 
 def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> list[str]:
