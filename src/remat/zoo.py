@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 
 __all__ = ["ZooModel", "build", "names", "options", "SeedCifarCNN"]
@@ -63,9 +64,9 @@ class ZooModel:
     """Zoo name the model was built from."""
     model: nn.Module
     """The model, in training mode, random weights."""
-    inputs: Any
+    inputs: Inputs
     """What the model is called with: a tensor, a tuple or a dict."""
-    loss_fn: Callable[[Any], torch.Tensor] | None
+    loss_fn: LossFn | None
     """``loss_fn(output) -> scalar``; None means ``output.loss`` / sum of outputs."""
     blocks: tuple[str, ...] = field(default=())
     """Qualified names of the repeated blocks, the natural checkpointing units."""
@@ -166,7 +167,7 @@ def _import_transformers(name: str) -> Any:
 
 def _causal_lm(model: nn.Module) -> nn.Module:
     # GPT2LMHeadModel's class name does not tell transformers its loss; without this it logs a warning.
-    model.loss_type = "ForCausalLM"
+    model.loss_type = "ForCausalLM"  # type: ignore[assignment]  # Module.__setattr__ takes any value
     return model
 
 

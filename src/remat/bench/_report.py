@@ -42,12 +42,14 @@ def _yes(flag: bool) -> str:
 
 
 def _row(r: BenchRow, none: BenchRow) -> str:
-    predicted = "" if r.predicted_peak_bytes is None else f"{human_bytes(r.predicted_peak_bytes)} ({r.predicted_error:+.1%})"
+    predicted = ("" if r.predicted_peak_bytes is None
+                 else f"{human_bytes(r.predicted_peak_bytes)} ({r.predicted_error:+.1%})")
     overhead = "" if r.predicted_overhead is None else f"{1 + r.predicted_overhead:.2f}x"
     _, lo, hi = paired_difference(r, none)
     spread = "" if r is none else f" [{1 + lo:.2f}, {1 + hi:.2f}]"
     return (f"| {r.setup} | {human_bytes(r.peak_bytes)} | {r.peak_ratio:.2f} | {r.time_s * 1e3:.0f} ms | "
-            f"{r.time_ratio:.2f}x{spread} | {_yes(r.grads_equal)} | {_yes(r.buffers_equal)} | {predicted} | {overhead} |")
+            f"{r.time_ratio:.2f}x{spread} | {_yes(r.grads_equal)} | {_yes(r.buffers_equal)} | {predicted} | "
+            f"{overhead} |")
 
 
 def paired_difference(a: BenchRow, b: BenchRow, *, share: float = 1.0,
@@ -81,8 +83,8 @@ def _baseline_points(base: list[BenchRow], ours: list[BenchRow]) -> list[str]:
             out.append(head + "**not matched**: no remat point reaches its peak")
             continue
         r, d = min(fitting, key=lambda x: x[1][0])
-        out.append(head + f"{_verdict(d, 'matched by', 'within noise of', '**not matched** by')} {r.setup} ({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; "
-                   f"time vs it {_vs(d)})")
+        out.append(head + f"{_verdict(d, 'matched by', 'within noise of', '**not matched** by')} {r.setup} "
+                   f"({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; time vs it {_vs(d)})")
     return out
 
 
@@ -122,7 +124,7 @@ def targets(rows: list[BenchRow]) -> list[str]:
                        key=lambda r: -(r.budget_bytes or 0))
     rising = [f"{a.setup} -> {b.setup}" for a, b in zip(fractions, fractions[1:]) if b.peak_bytes > a.peak_bytes]
     out.append("measured peak rises as the budget falls: " + (", ".join(rising) or "never"))
-    worst = max((abs(r.predicted_error) for r in ours), default=0.0)
+    worst = max((abs(e) for r in ours if (e := r.predicted_error) is not None), default=0.0)
     out.append(f"largest predicted-vs-measured peak error: {worst:.2%}")
     compiled = [r for r in rows if r.kind == "compile"]
     if compiled:  # another execution (fused kernels), so kept apart from the eager baselines above
@@ -142,7 +144,8 @@ def markdown(report: BenchReport) -> str:
         rows = [r for r in report.rows if r.model == model]
         none = next(r for r in rows if r.setup == "none")
         lines += [f"### {model}", "",
-                  "| setup | peak | x none | step | x none [90%] | grads equal | buffers equal | predicted peak (error) | predicted time |",
+                  "| setup | peak | x none | step | x none [90%] | grads equal | buffers equal "
+                  "| predicted peak (error) | predicted time |",
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += [_row(r, none) for r in rows]
         lines += ["", *[f"- {t}" for t in targets(rows)], *[f"- {n}" for n in report.notes.get(model, [])], ""]
@@ -150,7 +153,14 @@ def markdown(report: BenchReport) -> str:
 
 
 #: Per kind of non-remat row: marker style and label offset (baselines filled dots, torch.compile open squares).
-_POINT_STYLE = {"baseline": ({"fmt": "o"}, (4, 4)), "compile": ({"fmt": "s", "mfc": "white"}, (4, -8))}
+_POINT_STYLE: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {
+    "baseline": ({"fmt": "o"}, (4, 4)), "compile": ({"fmt": "s", "mfc": "white"}, (4, -8))}
+
+
+def _error_bars(rs: list[BenchRow], none: BenchRow) -> list[list[float]]:
+    """matplotlib's ``yerr`` for ``rs``: how far below and above each time ratio its 90% interval reaches."""
+    spans = [paired_difference(r, none) for r in rs]
+    return [[d - lo for d, lo, _ in spans], [hi - d for d, _, hi in spans]]
 
 
 def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -165,20 +175,16 @@ def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
     for model in dict.fromkeys(r.model for r in report.rows):
         rows = [r for r in report.rows if r.model == model]
         none = next(r for r in rows if r.setup == "none")
-
-        def err(rs: list[BenchRow]) -> list[list[float]]:
-            spans = [paired_difference(r, none) for r in rs]
-            return [[d - lo for d, lo, _ in spans], [hi - d for d, _, hi in spans]]
-
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in (r for r in rows if r.kind in _POINT_STYLE):
             style, offset = _POINT_STYLE[r.kind]
-            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=err([r]), ms=6, capsize=3, zorder=3, **style)
+            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=_error_bars([r], none), ms=6, capsize=3, zorder=3,
+                        **style)
             ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=offset,
                         textcoords="offset points")
         ours = sorted((r for r in rows if r.kind == "remat"), key=lambda r: r.peak_bytes)
-        ax.errorbar([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], yerr=err(ours), fmt="o-",
-                    color="black", capsize=3, label="remat plans (bars: 90% interval)", zorder=2)
+        ax.errorbar([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], yerr=_error_bars(ours, none),
+                    fmt="o-", color="black", capsize=3, label="remat plans (bars: 90% interval)", zorder=2)
         ax.set_xlabel("peak memory of a training step (MiB)")
         ax.set_ylabel("step time / no checkpointing")
         ax.set_title(f"{model}: memory vs time")

@@ -29,6 +29,7 @@ import datetime
 import platform
 import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -68,9 +69,13 @@ QUICK: dict[str, dict[str, Any]] = {
 
 
 def _same(ref: dict[str, torch.Tensor | None], got: dict[str, torch.Tensor | None]) -> bool:
-    return ref.keys() == got.keys() and all(
-        (ref[k] is None) == (got[k] is None) and (ref[k] is None or torch.equal(ref[k], got[k])) for k in ref
-    )
+    return ref.keys() == got.keys() and all(_equal(ref[k], got[k]) for k in ref)
+
+
+def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
 
 
 def _one_step_state(zoo: ZooModel, setup: Setup) -> tuple[dict, dict]:
@@ -123,8 +128,8 @@ def _compiled_peak(zoo: ZooModel) -> int:
 def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int,
                        progress: Progress | None) -> list[list[float]]:
     """Per setup, its step time in each timed round (every setup once per round, shuffled order)."""
-    steps = [timed_step(zoo.model, zoo.inputs, zoo.loss_fn, on=lambda s=s: s.on(zoo.model),
-                        off=lambda s=s: s.off(zoo.model)) for s in setups]
+    steps = [timed_step(zoo.model, zoo.inputs, zoo.loss_fn, on=partial(s.on, zoo.model),
+                        off=partial(s.off, zoo.model)) for s in setups]
     state = capture(zoo.model)
     try:
         return interleaved_rounds(steps, warmup=warmup, repeat=repeat, label=f"{zoo.name}: timing",

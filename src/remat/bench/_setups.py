@@ -37,7 +37,7 @@ class Setup:
 
 def _torch_forward(module: nn.Module, context_fn: Callable | None = None) -> None:
     inner = type(module).forward.__get__(module)
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return tc.checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
@@ -111,7 +111,7 @@ def _remove_input_grad_hooks(model: nn.Module, keep: list[Any]) -> None:
         if all(hook is not k for k in keep):
             hook.remove()
     if hooks:
-        model._require_grads_hooks = list(keep)
+        model._require_grads_hooks = list(keep)  # type: ignore[assignment]  # Module.__setattr__ takes any value
         if keep:
             model._require_grads_hook = keep[0]
         else:
@@ -174,7 +174,10 @@ def torch_compile(budget: float) -> Setup:
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         with functorch_config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
+            fn = compile_fx(gm, example_inputs)
+        if not callable(fn):  # only an ahead-of-time export returns paths or weights instead
+            raise RuntimeError(f"remat.bench: inductor compiled the graph to a {type(fn).__name__}, not a callable")
+        return fn
 
     compiled: dict[int, Callable] = {}
 
@@ -191,7 +194,13 @@ def no_checkpointing() -> Setup:
 
 
 def remat_plan(plan: Plan, label: str) -> Setup:
-    return Setup(label, "remat", lambda model: remat.apply(model, plan), remat.remove, plan)
+    def on(model: nn.Module) -> None:
+        remat.apply(model, plan)
+
+    def off(model: nn.Module) -> None:
+        remat.remove(model)
+
+    return Setup(label, "remat", on, off, plan)
 
 
 def baselines(model: nn.Module, block_names: Sequence[str]) -> list[Setup]:

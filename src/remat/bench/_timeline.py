@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat import Plan, Profile, RematError, parse_budget
+from remat.core._typing import Budget
 from remat.profiling._format import human_bytes
 
 __all__ = ["Timeline", "plot_timeline", "timeline_of"]
@@ -81,7 +82,9 @@ def timeline_of(profile: Profile, plan: Plan | Mapping[str, str] | None = None) 
     """The walk of ``plan`` (a Plan, block -> policy, or None for no checkpointing) on ``profile``."""
     label, assignment = _assignment(plan)
     walk = profile.timeline(assignment)
-    xs, live, bands = [], [], []
+    xs: list[float] = []
+    live: list[int] = []
+    bands: list[tuple[str, str, int, int]] = []
     peak = (-1, "", "", 0.0)
     for i, ((key, start, top), (block, phase)) in enumerate(zip(walk, _places(walk))):
         if key[1] is not None:
@@ -101,7 +104,7 @@ def _unit(top: int) -> tuple[int, str]:
 
 
 def plot_timeline(
-    profile: Profile, plan: Plan | Mapping[str, str] | None = None, *, budget: Any = None,
+    profile: Profile, plan: Plan | Mapping[str, str] | None = None, *, budget: Budget | None = None,
     path: str | pathlib.Path | None = None, compare: bool = True, measured: Mapping[str, int] | None = None,
 ) -> Any:
     """Live bytes along one training step: no checkpointing and ``plan`` on one figure.
@@ -135,7 +138,8 @@ def plot_timeline(
         ax.annotate("forward  |  backward", (backward - 0.25, 1), xycoords=("data", "axes fraction"), ha="center",
                     va="top", fontsize=7, xytext=(0, -2), textcoords="offset points")
     for t, colour in zip(lines, ("tab:gray", "tab:blue") if len(lines) == 2 else ("tab:blue",)):
-        ax.plot(t.xs, [v / unit for v in t.live], color=colour, lw=1.5, label=f"{t.label} (peak {human_bytes(t.peak_bytes)})", gid=f"live:{t.label}")
+        ax.plot(t.xs, [v / unit for v in t.live], color=colour, lw=1.5,
+                label=f"{t.label} (peak {human_bytes(t.peak_bytes)})", gid=f"live:{t.label}")
         ax.plot([t.peak_x], [t.peak_bytes / unit], "v", color=colour, ms=7)
         right = t.peak_x > 0.6 * len(t.xs) / 2  # keep the label inside the axes
         ax.annotate(f"peak: {t.peak_block}, {t.peak_phase}", (t.peak_x, t.peak_bytes / unit), fontsize=7,

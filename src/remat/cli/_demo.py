@@ -20,10 +20,10 @@ from torch import nn
 
 import remat
 from remat.bench._rounds import interleaved_rounds, ratio_to, timed_step
-from remat.zoo import SeedCifarCNN, ZooModel, build
 from remat.core._state import capture
-from remat.core._step import training_step
+from remat.core._step import compute_loss, training_step
 from remat.core.measure import Measurement
+from remat.zoo import SeedCifarCNN, ZooModel, build
 
 
 class SeedCifarReentrant(SeedCifarCNN):
@@ -68,7 +68,7 @@ def _train(model: nn.Module, zoo: ZooModel, steps: int, lr: float) -> tuple[list
     for step in range(steps):
         torch.manual_seed(1000 + step)  # same dropout masks for every variant
         opt.zero_grad(set_to_none=True)
-        loss = zoo.loss_fn(model(zoo.inputs))
+        loss = compute_loss(model(zoo.inputs), zoo.loss_fn)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -82,6 +82,9 @@ def run_demo(*, batch: int = 128, steps: int = 10, lr: float = 0.05, rounds: int
     reentrant = SeedCifarReentrant()
     reentrant.load_state_dict(zoo.model.state_dict())
     checkpointed = copy.deepcopy(zoo.model)
+    if not isinstance(checkpointed, SeedCifarCNN):
+        raise RuntimeError(f"remat demo: the zoo's seed-cifar model is a {type(checkpointed).__name__}, "
+                           "not the SeedCifarCNN whose blocks the demo wraps")
     remat.wrap(checkpointed.cnn_block_1)
     remat.wrap(checkpointed.cnn_block_2)
     named = [("no checkpointing", copy.deepcopy(zoo.model)), ("remat, both conv blocks", checkpointed),

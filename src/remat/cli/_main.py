@@ -23,6 +23,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
@@ -32,6 +33,10 @@ from remat.cli._model import add_model_options
 from remat.cli._ui import Ui, error_line
 from remat.errors import RematError
 from remat.profiling._format import human_bytes
+
+if TYPE_CHECKING:  # the type only: the demo's module is imported when the demo runs
+    from remat.cli._demo import PlanDemo
+
 
 def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     from remat.cli._demo import run_demo
@@ -71,6 +76,9 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     with ui.status("profiling, planning and verifying GPT-2 under a budget of 0.6 ..."):
         demo = run_plan_demo(budget=0.6, rounds=args.rounds)
     plan, base, ours = demo.plan, demo.baseline, demo.planned
+    budget_bytes = plan.budget_bytes
+    if budget_bytes is None:  # a plan made for a budget keeps it in bytes
+        raise RuntimeError("remat demo: the plan for a budget of 0.6 carries no budget in bytes")
     table = Table(title=f"remat.auto on {demo.model}, budget 0.6 of the peak without checkpointing",
                   caption=timing)
     for col in ("", "peak", "step time", "grads"):
@@ -78,7 +86,7 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     table.add_row("no checkpointing", human_bytes(base.peak_bytes), f"{demo.step_times_s[0] * 1e3:.0f} ms",
                   "reference")
     table.add_row(
-        f"remat plan (budget {human_bytes(plan.budget_bytes)})",
+        f"remat plan (budget {human_bytes(budget_bytes)})",
         f"{human_bytes(ours.peak_bytes)} (predicted {human_bytes(plan.predicted_peak_bytes)})",
         f"{demo.step_times_s[1] * 1e3:.0f} ms ({demo.time_ratio:.2f}x; "
         f"predicted {1 + plan.predicted_overhead:.2f}x)",
@@ -87,12 +95,12 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     if not ui.json:
         ui.show(table)
     _emit_demo(ui, variants, demo)
-    fits = ours.peak_bytes <= plan.budget_bytes
+    fits = ours.peak_bytes <= budget_bytes
     ui.say(f"{plan.summary()} Measured peak within budget: {'yes' if fits else 'NO'}.")
     return 0 if remat_ok and fits and demo.grads_equal else 1
 
 
-def _emit_demo(ui: Ui, variants: list, plan_demo: object | None) -> None:
+def _emit_demo(ui: Ui, variants: list, plan_demo: PlanDemo | None) -> None:
     """``remat demo --json``: every variant (losses, measurement, frozen parameters, times) and the plan demo."""
     if ui.json:
         ref = variants[0].losses

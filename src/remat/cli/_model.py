@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 
 #: Flags mapped to the zoo builders' keyword arguments of the same name.
@@ -37,8 +38,8 @@ class Loaded:
     label: str
     """The MODEL argument, for messages and titles."""
     model: nn.Module
-    inputs: Any
-    loss_fn: Callable[[Any], torch.Tensor] | None
+    inputs: Inputs
+    loss_fn: LossFn | None
     options: dict[str, Any]
     """The options it was built with (only those given on the command line)."""
 
@@ -127,7 +128,7 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _unpack(result: Any, spec: str) -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor] | None]:
+def _unpack(result: Any, spec: str) -> tuple[nn.Module, Inputs, LossFn | None]:
     from remat.zoo import ZooModel
 
     if isinstance(result, ZooModel):
@@ -142,7 +143,7 @@ def _unpack(result: Any, spec: str) -> tuple[nn.Module, Any, Callable[[Any], tor
     )
 
 
-def _call_factory(spec: str, options: dict[str, Any]) -> tuple[nn.Module, Any, Any]:
+def _call_factory(spec: str, options: dict[str, Any]) -> tuple[nn.Module, Inputs, LossFn | None]:
     factory = _factory(spec)
     try:
         inspect.signature(factory).bind(**options)
@@ -162,7 +163,7 @@ def _call_factory(spec: str, options: dict[str, Any]) -> tuple[nn.Module, Any, A
     return _unpack(result, spec)
 
 
-def _retarget(loss_fn: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _retarget(loss_fn: LossFn | None, convert: Callable[[torch.Tensor], torch.Tensor]) -> LossFn | None:
     # Loss functions close over their targets (the zoo's labels, most factories' too); a
     # model moved to another device needs them there as well. A new function is made,
     # the caller's is left as it was.

@@ -43,6 +43,12 @@ class _Saved:
     tensor: torch.Tensor | None
     index: int
 
+    def kept(self) -> torch.Tensor:
+        """The tensor, before the region's decision (``_Frame.finish``) could drop it."""
+        if self.tensor is None:
+            raise RuntimeError("remat: a cheap region's saved tensor was dropped before its forward settled")
+        return self.tensor
+
 
 class _Frame:
     """One cheap region call (NOTE [A region as saved-tensor hooks])."""
@@ -89,7 +95,7 @@ class _Frame:
         self.out_key, self.out_bytes, self.version = storage_key(out), out.numel() * out.element_size(), out._version
         # Its forward is over: what it saved, and which inputs, no longer change (finish() reads them too).
         self.held = sum(n for key, n in self.inputs.items() if key not in self.saved_inputs)
-        self.saved_bytes = {storage_key(s.tensor): s.tensor.numel() * s.tensor.element_size() for s in self.pending}
+        self.saved_bytes = {storage_key(t): t.numel() * t.element_size() for t in (s.kept() for s in self.pending)}
         own = sum(n for key, n in self.saved_bytes.items() if key != self.out_key)
         # Holding them pays already when what it saved besides its output outweighs them (GELU under autocast
         # saves an fp32 copy of its bf16 input): hold them. Else only consumers of its output could make it pay.
@@ -98,7 +104,6 @@ class _Frame:
             self.weak = True
 
     def handle(self, view: _OutputView) -> _OutputView:
-        view.held_version = view.held._version
         self.consumers += 1
         self.views.append(view)
         return view
@@ -142,6 +147,8 @@ class _Frame:
         if self.output is None:
             self.recompute()
         out = self.output
+        if out is None:  # recompute() keeps its output while consumers are left, and this is one
+            raise RuntimeError("remat: a cheap region's output was let go before its last consumer unpacked it")
         self.consumers -= 1
         if self.consumers <= 0:
             self.output = None
@@ -184,8 +191,9 @@ class _Frame:
         swapped = [(m, name, m._buffers[name]) for m, name, _ in self.buffers]
         stand_ins = set()
         for m, name, before in self.buffers:
-            m._buffers[name] = before.clone()
-            stand_ins.add(storage_key(m._buffers[name]))
+            stand_in = before.clone()
+            m._buffers[name] = stand_in
+            stand_ins.add(storage_key(stand_in))
         try:
             yield stand_ins
         finally:
@@ -261,12 +269,13 @@ class _OutputView:
     frame: _Frame
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
     dtype: torch.dtype | None
     """Set when the consumer saved a copy of the output in this dtype (autocast), not the output itself."""
     held: torch.Tensor | None
     """What the consumer saved, until the region's decision (kept where rerunning does not pay)."""
-    held_version: int = 0
+    held_version: int
+    """The version of ``held`` when it was saved: an op in place on it since makes its values stale."""
 
 
 #: autograd nodes of views that keep a contiguous tensor's element order
@@ -282,7 +291,7 @@ class _Outputs:
     def __init__(self) -> None:
         self.settling: list[_Frame] = []
         """Regions whose saved tensors wait for the end of the block's forward (``_Frame.finish``)."""
-        self.frames: dict[int, tuple[_Frame, int, weakref.ref, int]] = {}
+        self.frames: dict[int, tuple[_Frame, int | torch.SymInt, weakref.ref, int]] = {}
         self.nodes: dict[int, tuple[_Frame, Any, bool, weakref.ref, int]] = {}
 
     def register(self, frame: _Frame, out: torch.Tensor) -> None:
@@ -299,12 +308,13 @@ class _Outputs:
             frame, base, _, _ = found
             frame.direct += 1
             return frame.handle(_OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base,
-                                            None, t))
-        frame = self._copied_from(t)
-        if frame is None:
+                                            None, t, t._version))
+        copied = self._copied_from(t)
+        if copied is None:
             return t
-        frame.copy_bytes += t.untyped_storage().nbytes()
-        return frame.handle(_OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t))
+        copied.copy_bytes += t.untyped_storage().nbytes()
+        return copied.handle(_OutputView(copied, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t,
+                                         t._version))
 
     def _copied_from(self, t: torch.Tensor) -> _Frame | None:
         """The region whose output ``t`` is a dtype copy of (through views), if any."""

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from typing import Protocol
 
 from torch import nn
 
@@ -21,7 +22,13 @@ log = logging.getLogger("remat")
 _SAVED = "_remat_saved_use_cache"
 
 
-def _configs(model: nn.Module) -> list[object]:
+class _Config(Protocol):
+    """What remat touches on a transformers config (found by duck typing: transformers is not imported)."""
+
+    use_cache: bool
+
+
+def _configs(model: nn.Module) -> list[_Config]:
     """Every distinct config of ``model``: each submodule's ``config`` and the configs nested in them.
 
     NOTE [Every config, not only the top one]
@@ -31,7 +38,7 @@ def _configs(model: nn.Module) -> list[object]:
     caller passes none, so turning off only the top-level flag leaves the decoder
     appending to its cache in recomputation.
     """
-    found: dict[int, object] = {}
+    found: dict[int, _Config] = {}
     pending = [getattr(m, "config", None) for m in model.modules()]
     while pending:
         config = pending.pop()
@@ -84,11 +91,11 @@ def fake_tensors_untraced() -> Iterator[None]:
     """
     module = sys.modules.get("transformers.utils.import_utils")
     original = getattr(module, "is_fake_tensor", None)
-    if original is None:
+    if module is None or original is None:
         yield
         return
-    module.is_fake_tensor = lambda x: False
+    module.__dict__["is_fake_tensor"] = lambda x: False
     try:
         yield
     finally:
-        module.is_fake_tensor = original
+        module.__dict__["is_fake_tensor"] = original

@@ -31,6 +31,7 @@ on, as before.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -122,7 +123,7 @@ class StorageTracker(TorchDispatchMode):
         if old is None:
             self.made += 1
             self.live[key] = nbytes
-            self._refs[key] = weakref.ref(st, lambda r, k=key: self._freed(k, r))
+            self._refs[key] = weakref.ref(st, functools.partial(self._freed, key))
             self.current += nbytes
         elif old != nbytes:  # resized in place (resize_, out= ops)
             self.live[key] = nbytes
@@ -151,14 +152,15 @@ class StorageTracker(TorchDispatchMode):
             return out
 
         self._original_resize = original
-        torch.UntypedStorage.resize_ = resize_  # see NOTE [Sharded parameters]
+        # see NOTE [Sharded parameters]; patched on purpose, which the stubs (a method, on _StorageBase) refuse
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            torch.UntypedStorage.resize_ = self._original_resize
+            torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]  # put back
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}

@@ -18,11 +18,17 @@ never the model's: the user's code did nothing wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch import nn
+
+from remat.errors import RematError
 
 # NOTE [Snapshots a step without an optimizer needs]
 # On the CPU the snapshot sits in the memory the step runs in: a copy of every parameter
@@ -30,11 +36,6 @@ from typing import Any
 # by it (remat.auto's NOTE [Within the budget]). A training step without an optimizer
 # changes gradients, buffers and the RNG, never the parameters' values, so the callers
 # that run such steps (auto's verification) leave the values out.
-
-import torch
-from torch import nn
-
-from remat.errors import RematError
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -70,17 +71,18 @@ class ModelState:
         failures: list[str] = []
         with torch.no_grad():
             for name, p in self.model.named_parameters(remove_duplicate=False):
-                _attempt(failures, f"parameter {name!r}", lambda p=p, name=name: self._parameter(p, name))
+                _attempt(failures, f"parameter {name!r}", functools.partial(self._parameter, p, name))
             for name, b in self.model.named_buffers(remove_duplicate=False):
-                _attempt(failures, f"buffer {name!r}", lambda b=b, name=name: self._buffer(b, name))
+                _attempt(failures, f"buffer {name!r}", functools.partial(self._buffer, b, name))
         for name, module in self.model.named_modules(remove_duplicate=False):
             flag = self.training.get(name)
             if flag is not None and module.training != flag:
                 _attempt(failures, f"the training flag of {name or 'the model'!r}",
-                         lambda m=module, flag=flag: setattr(m, "training", flag))
+                         functools.partial(setattr, module, "training", flag))
         _attempt(failures, "the CPU RNG state", lambda: torch.set_rng_state(self.cpu_rng))
-        if self.cuda_rng is not None:
-            _attempt(failures, "the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(self.cuda_rng))
+        cuda_rng = self.cuda_rng
+        if cuda_rng is not None:
+            _attempt(failures, "the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(cuda_rng))
         failures += self._gone()
         if failures:
             raise RematError(

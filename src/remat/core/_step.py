@@ -25,12 +25,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 
-LossFn = Callable[[Any], torch.Tensor]
 
-
-def call_model(model: nn.Module, inputs: Any) -> Any:
+def call_model(model: nn.Module, inputs: Inputs) -> Any:
     """Call ``model`` the way design.md defines ``inputs`` (tensor, tuple or dict), on fresh leaves for the
     inputs that require grad (NOTE [Each step's inputs are fresh])."""
     inputs = fresh_inputs(model, inputs)
@@ -57,7 +56,10 @@ def default_loss(output: Any) -> torch.Tensor:
             "remat: the model's output has no floating-point tensor to build a loss from "
             f"(got {type(output).__name__}); pass loss_fn=lambda out: ... returning a scalar."
         )
-    return sum(t.float().sum() for t in floats)
+    total = floats[0].float().sum()
+    for t in floats[1:]:
+        total = total + t.float().sum()
+    return total
 
 
 def compute_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
@@ -72,7 +74,7 @@ def compute_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
 
 def training_step(
     model: nn.Module,
-    inputs: Any,
+    inputs: Inputs,
     loss_fn: LossFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     *,
@@ -104,12 +106,12 @@ def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def input_tensors(inputs: Any) -> list[torch.Tensor]:
+def input_tensors(inputs: Inputs) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(inputs)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def fresh_inputs(model: nn.Module, inputs: Any) -> Any:
+def fresh_inputs(model: nn.Module, inputs: Inputs) -> Inputs:
     """``inputs`` with every tensor that requires grad (and is no parameter of ``model``) replaced by a new leaf
     over the same data: what one step reads (NOTE [Each step's inputs are fresh]). ``inputs`` itself when no
     input requires grad."""
@@ -139,17 +141,18 @@ class InputGrads:
     version counters (steps accumulate into them in place, NOTE [Each step's inputs are fresh]), and ``.grad`` as
     it was on every input. Snapshots live on the CPU, so that a CUDA peak measured meanwhile never counts them."""
 
-    def __init__(self, inputs: Any) -> None:
+    def __init__(self, inputs: Inputs) -> None:
         tensors = list({id(t): t for t in input_tensors(inputs) if t.is_leaf}.values())
-        self.saved = [(t, t.grad, None if t.grad is None else t.grad.detach().to("cpu", copy=True),
-                       None if t.grad is None else t.grad._version) for t in tensors]
+        self.saved = [(t, t.grad, None if t.grad is None else (t.grad.detach().to("cpu", copy=True), t.grad._version))
+                      for t in tensors]
+        """Per leaf input: (it, its gradient, (the gradient's values, its version) where it has one)."""
 
     def restore(self) -> None:
-        for t, grad, values, version in self.saved:
-            if grad is not None and grad._version != version:
+        for t, grad, snapshot in self.saved:
+            if grad is not None and snapshot is not None and grad._version != snapshot[1]:
                 with torch.no_grad():
-                    grad.copy_(values)
-                _set_version(grad, version)
+                    grad.copy_(snapshot[0])
+                _set_version(grad, snapshot[1])
             if t.grad is not grad:
                 t.grad = grad
 
@@ -157,10 +160,10 @@ class InputGrads:
 def _set_version(t: torch.Tensor, version: int) -> None:
     try:
         torch._C._autograd._unsafe_set_version_counter((t,), (version,))
-    except TypeError:  # older torch takes one tensor
-        torch._C._autograd._unsafe_set_version_counter(t, version)
+    except TypeError:  # older torch takes one tensor (the stubs describe the current signature only)
+        torch._C._autograd._unsafe_set_version_counter(t, version)  # type: ignore[arg-type]
 
 
-def input_grads(inputs: Any) -> list[torch.Tensor]:
+def input_grads(inputs: Inputs) -> list[torch.Tensor]:
     """The gradients the leaf inputs already hold: alive through every step (resting)."""
     return [t.grad for t in input_tensors(inputs) if t.is_leaf and t.grad is not None]

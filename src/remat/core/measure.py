@@ -21,7 +21,6 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -30,8 +29,9 @@ from remat.core._compiled import eager_module
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture, restoring
+from remat.core._step import InputGrads, input_grads, input_tensors, trainable_parameters, training_step
+from remat.core._typing import Inputs, LossFn
 from remat.core._user_errors import check_devices, checkpointed_modules, model_errors, require_module
-from remat.core._step import InputGrads, LossFn, input_grads, input_tensors, trainable_parameters, training_step
 from remat.errors import RematError
 
 __all__ = ["Measurement", "measure"]
@@ -69,7 +69,7 @@ class Measurement:
         return self.peak_bytes - self.resting_bytes
 
 
-def device_of(model: nn.Module, inputs: Any) -> torch.device:
+def device_of(model: nn.Module, inputs: Inputs) -> torch.device:
     """The device of the first parameter or input tensor (CPU when there is none)."""
     for t in [*model.parameters(), *input_tensors(inputs)]:
         return t.device
@@ -81,7 +81,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def resting_tensors(model: nn.Module, inputs: Any, loop: Loop = NO_LOOP) -> list[torch.Tensor]:
+def resting_tensors(model: nn.Module, inputs: Inputs, loop: Loop = NO_LOOP) -> list[torch.Tensor]:
     """What is alive before a step: parameters, buffers, inputs (and gradients they already hold), and what
     ``loop`` keeps between steps."""
     tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs),
@@ -90,7 +90,7 @@ def resting_tensors(model: nn.Module, inputs: Any, loop: Loop = NO_LOOP) -> list
 
 
 def measure_peak(
-    model: nn.Module, inputs: Any, loss_fn: LossFn | None = None, loop: Loop = NO_LOOP, *, allocator: bool = False,
+    model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, loop: Loop = NO_LOOP, *, allocator: bool = False,
 ) -> tuple[int, int, float]:
     """(peak bytes, resting bytes, loss) of one step as ``loop`` repeats it; gradients are left on the model.
 
@@ -106,7 +106,8 @@ def measure_peak(
         grads.restore()
 
 
-def _peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, loop: Loop, allocator: bool) -> tuple[int, int, float]:
+def _peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, loop: Loop,
+          allocator: bool) -> tuple[int, int, float]:
     device = device_of(model, inputs)
     loop.steady(model, inputs, loss_fn)
     loop.start(model)
@@ -134,7 +135,7 @@ def _peak(model: nn.Module, inputs: Any, loss_fn: LossFn | None, loop: Loop, all
 
 def measure(
     model: nn.Module,
-    inputs: Any,
+    inputs: Inputs,
     loss_fn: LossFn | None = None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
@@ -193,7 +194,8 @@ def measure(
     )
 
 
-def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str, loop: Loop = NO_LOOP) -> int:
+def compiled_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, *, backend: str,
+                  loop: Loop = NO_LOOP) -> int:
     """Peak bytes of one ``torch.compile(model, backend=backend)`` training step of ``loop``, allocator-level.
 
     One step compiles first, so the compiler's own allocations are not counted. Gradients,
@@ -210,6 +212,8 @@ def compiled_peak(model: Any, inputs: Any, loss_fn: Any, *, backend: str, loop: 
     torch._dynamo.reset()
     try:
         compiled = torch.compile(eager_module(model), backend=backend)
+        if not isinstance(compiled, nn.Module):  # the stubs say a callable; a module compiles to an OptimizedModule
+            raise RuntimeError(f"remat: torch.compile of a module returned a {type(compiled).__name__}")
         measure_peak(compiled, inputs, loss_fn, loop, allocator=True)
         peak, _, _ = measure_peak(compiled, inputs, loss_fn, loop, allocator=True)
     finally:

@@ -6,7 +6,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import replace
 
-from remat.profiling._types import BlockProfile, Profile, SegmentCost
+from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 _POLICIES = ("keep", "selective", "full")
 
@@ -15,14 +15,14 @@ def synthetic_profile(n_blocks: int, *, seed: int = 0, resting: int = 10**8) -> 
     """A chain of ``n_blocks`` transformer-like blocks with randomised sizes and times."""
     rng = random.Random(seed)
     names = [f"layers.{i}" for i in range(n_blocks)]
-    segments: dict[str, dict] = {p: {} for p in _POLICIES}
-    fwd_order = [("fwd", None, 0)]
-    bwd_order = [("bwd", None, 0)]
+    segments: dict[str, dict[Key, SegmentCost]] = {p: {} for p in _POLICIES}
+    fwd_order: list[Key] = [("fwd", None, 0)]
+    bwd_order: list[Key] = [("bwd", None, 0)]
     blocks = []
     out_bytes = 2**20
     for p in _POLICIES:
         segments[p][("fwd", None, 0)] = SegmentCost(out_bytes, out_bytes, 0.001)
-    for i, name in enumerate(names):
+    for name in names:
         saved = {"keep": rng.randint(8, 16) * 2**20, "selective": 0, "full": 0}
         saved["selective"] = saved["keep"] // rng.randint(2, 4)
         grads = rng.randint(1, 4) * 2**20

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 

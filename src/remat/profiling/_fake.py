@@ -37,13 +37,15 @@ from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
 from remat.core._memtrack import storage_bytes
 from remat.core._state import restoring, uninterrupted
-from remat.core._step import InputGrads, LossFn
+from remat.core._step import InputGrads
+from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._profile_run import _assemble, _Policies, traced_step
+from remat.profiling._profile_run import Ledger, _assemble, _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, young_collections
 from remat.profiling._shadow import ValueShadows
+from remat.profiling._trace import Segment
 from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
 from remat.profiling.targets import Target
@@ -80,7 +82,8 @@ class _FakeWeights:
     def _swap(self) -> None:
         twins: dict[int, torch.Tensor] = {}
         for module in self.model.modules():
-            for store in (module._parameters, module._buffers):
+            stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for store in stores:
                 for name, t in store.items():
                     if t is None:
                         continue
@@ -104,7 +107,7 @@ class _FakeWeights:
             for group, params in self.groups:
                 group["params"] = params
             self.groups = []
-            if self.state is not None:
+            if self.state is not None and self.optimizer is not None:  # a state was swapped out of the optimizer
                 self.optimizer.state, self.state = self.state, None
 
 
@@ -119,8 +122,13 @@ def _target_kernels(target: Target, gpu_path: bool) -> Iterator[None]:
         yield
 
 
-def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], policies: Sequence[str],
-           target: Target, gpu_path: bool, loop: Loop) -> tuple[dict, dict, Any, dict, tuple[int, int]]:
+_Traced = tuple[dict[str, list[Segment]], dict[str, tuple[int, int]], Inputs, dict[str, Ledger], tuple[int, int]]
+"""One fake trace: per policy its segments, the blocks' I/O bytes, the fake inputs, per policy its crossings,
+and (bytes the loop keeps alive, of which the optimizer's state)."""
+
+
+def _trace(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, names: Sequence[str], policies: Sequence[str],
+           target: Target, gpu_path: bool, loop: Loop) -> _Traced:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows()
 
@@ -141,7 +149,9 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
     fake_inputs = tree_map(fake_input, inputs)
     workspace = Workspace(target.cuda.gpu, target.cuda.workspace) if target.cuda is not None else None
     switch = _Policies(model, names)
-    traced, io_bytes, ledgers = {}, {}, {}
+    traced: dict[str, list[Segment]] = {}
+    io_bytes: dict[str, tuple[int, int]] = {}
+    ledgers: dict[str, Ledger] = {}
     with restoring("remat.profile", switch.restore), _FakeWeights(model, mode, loop.optimizer), \
             cache_disabled(model), _target_kernels(target, gpu_path), young_collections():
         for policy, run_as, learn in trace_schedule(policies):
@@ -160,7 +170,7 @@ def _trace(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequenc
 
 def run_fake_profile(
     model: nn.Module,
-    inputs: Any,
+    inputs: Inputs,
     loss_fn: LossFn | None,
     *,
     names: Sequence[str],
@@ -192,7 +202,7 @@ def run_fake_profile(
                 notes.append("fake run: the model's forward reads tensor values, so transformers took its tracing "
                              "path (explicit masks, repeated K/V heads), which a GPU step does not take.")
             extra = target.cuda.persistent_bytes if target.cuda is not None else 0
-            if extra:
+            if extra and target.cuda is not None:
                 notes.append(f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
                              f"allocated ({target.cuda.source}).")
             return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [], fake=True,

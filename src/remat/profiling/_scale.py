@@ -15,6 +15,7 @@ tensors (``remat.bench.max_batch`` does), never to decide that a plan fits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -46,7 +47,7 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
     def nbytes(x1: int, x2: int) -> int:
         return max(0, round(at(x1, x2))) if x1 >= 0 and x2 >= 0 else round(at(x1, x2))
 
-    def per_policy(d1: dict, d2: dict, f=nbytes) -> dict:  # noqa: ANN001
+    def per_policy(d1: dict, d2: dict, f: Callable[[Any, Any], Any] = nbytes) -> dict:
         return {k: f(v, d2[k]) for k, v in d1.items() if k in d2}
 
     segments = {
@@ -57,7 +58,8 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
     }
     blocks = tuple(
         BlockProfile(
-            name=a.name, input_bytes=nbytes(a.input_bytes, b.input_bytes), output_bytes=nbytes(a.output_bytes, b.output_bytes),
+            name=a.name, input_bytes=nbytes(a.input_bytes, b.input_bytes),
+            output_bytes=nbytes(a.output_bytes, b.output_bytes),
             saved_bytes=per_policy(a.saved_bytes, b.saved_bytes), fwd_time_s=max(0.0, at(a.fwd_time_s, b.fwd_time_s)),
             bwd_time_s=max(0.0, at(a.bwd_time_s, b.bwd_time_s)),
             extra_time_s=per_policy(a.extra_time_s, b.extra_time_s, lambda x, y: max(0.0, at(x, y))),
@@ -74,7 +76,8 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
                   for r, s in zip(p1.recomputes, p2.recomputes)]
     return replace(
         p1, blocks=blocks, segments=segments, crossings=crossings, recomputes=recomputes,
-        resting_bytes=nbytes(p1.resting_bytes, p2.resting_bytes), step_time_s=max(0.0, at(p1.step_time_s, p2.step_time_s)),
+        resting_bytes=nbytes(p1.resting_bytes, p2.resting_bytes),
+        step_time_s=max(0.0, at(p1.step_time_s, p2.step_time_s)),
         notes=[*p1.notes, f"scaled to batch {batch} from profiles at batches {b1} and {b2}"],
     )
 

@@ -57,7 +57,11 @@ class ValueShadows(TorchDispatchMode):
 
     def _keep(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         key = id(fake)
-        self._twins[key] = (weakref.ref(fake, lambda _r, k=key: self._twins.pop(k, None)), real)
+
+        def forget(_ref: weakref.ref) -> None:
+            self._twins.pop(key, None)
+
+        self._twins[key] = (weakref.ref(fake, forget), real)
 
     def _real(self, value: Any) -> tuple[bool, Any]:
         """(every tensor in ``value`` has a twin, ``value`` with the twins in place)."""

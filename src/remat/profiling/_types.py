@@ -161,7 +161,8 @@ class Profile:
             previous = key[1] or previous
             steps.append((key, assignment.get(previous, "keep") if previous else "keep"))
         for key in self.bwd_order:
-            steps.append((key, assignment.get(key[1] or previous, "keep") if (key[1] or previous) else "keep"))
+            owner = key[1] or previous
+            steps.append((key, assignment.get(owner, "keep") if owner else "keep"))
         return steps
 
     def timeline(self, assignment: Mapping[str, str] | Any | None = None) -> list[tuple[Key, int, int]]:
