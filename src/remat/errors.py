@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["RecomputeError", "RematError"]
+__all__ = ["OutOfMemory", "RecomputeError", "RematError"]
 
 
 class RematError(Exception):
@@ -24,4 +25,16 @@ class RecomputeError(RematError, CheckpointError):
     recompute failures are both a :class:`RematError` and a ``CheckpointError``, so
     ``except RuntimeError``, ``except CheckpointError`` and ``except remat.RematError``
     all catch them.
+    """
+
+
+class OutOfMemory(RematError, torch.OutOfMemoryError):
+    """A step remat ran did not fit the device; the model was restored.
+
+    NOTE [Out of memory, told and still caught]
+    A bare ``torch.OutOfMemoryError`` from ``remat.profile`` or ``remat.measure`` says neither
+    that remat's own step ran out (not the user's), nor how much the step needs, nor what to do.
+    remat raises this instead, with the numbers and the fix; it is also a
+    ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class), so code that
+    catches out-of-memory to try a smaller batch keeps working.
     """

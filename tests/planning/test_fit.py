@@ -213,3 +213,64 @@ def test_a_real_profile_that_runs_out_of_memory_leaves_auto_on_the_fake_one(monk
     plan = remat.auto(model, x, 1.0, repeat=1, warmup=0)  # the step without checkpointing fits the budget
     assert not plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+
+
+def test_a_profile_that_runs_out_of_memory_says_how_much_it_needs():
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    device = SimulatedDevice(int(0.7 * keep), resting(model, x))
+    with device, pytest.raises(remat.RematError, match="ran out of device memory") as err:
+        remat.profile(model, x, repeat=1, warmup=0)
+    assert isinstance(err.value, torch.OutOfMemoryError)  # code that catches out-of-memory still does
+    assert f"predicted at {keep} bytes" in str(err.value) and "remat.auto(model, inputs, budget)" in str(err.value)
+    assert device.peak <= device.capacity
+    with device, pytest.raises(remat.RematError, match="remat.measure: a measured step ran out of device memory"):
+        remat.measure(model, x, warmup=0, repeat=1)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert {m.training for m in model.modules()} == {True}
+
+
+def _cli_plan(monkeypatch, capsys, fraction):
+    """``remat plan gpt2 --budget`` at ``fraction`` of the step on a simulated device of that budget: the plan it
+    prints, the device, and whether each profile it ran was on fake tensors."""
+    from remat.cli._main import main
+    from remat.profiling import profile as profile_module
+
+    kinds, profile = [], profile_module.profile
+    monkeypatch.setattr(remat, "profile", lambda *a, **k: kinds.append(bool(k.get("fake"))) or profile(*a, **k))
+    zoo = build("gpt2", layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256)
+    budget = int(fraction * remat.measure(zoo.model, zoo.inputs, warmup=0, repeat=1).peak_bytes)
+    args = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "256"]
+    device = SimulatedDevice(budget)
+    with device:
+        assert main(["plan", "gpt2", *args, "--repeat", "1", "--budget", str(budget), "--json"]) == 0
+    return remat.Plan.from_json(capsys.readouterr().out), device, kinds
+
+
+def test_cli_plan_runs_no_step_over_the_budget(monkeypatch, capsys):
+    plan, device, kinds = _cli_plan(monkeypatch, capsys, 0.85)
+    assert kinds == [True] and plan.checkpointed and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert device.peak <= device.capacity
+    _, _, kinds = _cli_plan(monkeypatch, capsys, 1.2)  # the step without checkpointing fits: measured as before
+    assert kinds == [True, False]
+
+
+def test_max_batch_tries_no_batch_predicted_over_the_budget(monkeypatch):
+    from remat.bench import _run
+
+    options = {"layers": 4, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 64}
+    zoo = build("llama", **options, batch=2)
+    budget = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+    measured, peak = [], _run._step_peak
+    monkeypatch.setattr(_run, "_step_peak", lambda zoo, setup: measured.append(zoo.inputs["input_ids"].shape[0])
+                        or peak(zoo, setup))
+    # the budget is the step's peak at batch 2 to the byte; the device has room for the few bytes (a scalar) that
+    # remat's step holds outside the step it tracks
+    device = SimulatedDevice(budget + 1024)
+    with device:
+        result = _run.max_batch("llama", budget, strategies=("none", "remat"), options=options, limit=4)
+    assert result.batches["none"] == 2 and result.batches["remat"] > 2 and result.peaks["remat"] <= budget
+    assert device.peak <= device.capacity and not device.refused
+    tried = [b for s in ("none", "remat") for b in result.tried[s]]
+    assert len(measured) < len(tried)  # the batches predicted over were answered without a step
