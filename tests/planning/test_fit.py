@@ -274,3 +274,19 @@ def test_max_batch_tries_no_batch_predicted_over_the_budget(monkeypatch):
     assert device.peak <= device.capacity and not device.refused
     tried = [b for s in ("none", "remat") for b in result.tried[s]]
     assert len(measured) < len(tried)  # the batches predicted over were answered without a step
+
+
+def test_distributed_auto_profiles_within_the_budget():
+    model, x, _ = _mlp()
+    reference = _grads(model, x, None)
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    device = SimulatedDevice(int(0.7 * keep), resting(model, x))
+    with device:
+        plan = remat.distributed.auto(model, x, int(0.7 * keep), repeat=1, warmup=0)  # no process group: rank 0
+    try:
+        assert plan.checkpointed and device.peak <= device.capacity
+        assert remat.measure(model, x, warmup=0, repeat=1).peak_bytes <= int(0.7 * keep)
+        got = _grads(model, x, None)
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)
