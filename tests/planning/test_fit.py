@@ -151,29 +151,70 @@ def test_a_plan_the_device_refuses_in_its_step_leaves_the_model_restored():
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
 
 
+#: Zoo models on a GPU: activations of tens of MiB, so that the caching allocator's rounding (512-byte blocks, 2 MiB
+#: segments for small tensors) is small beside the budget.
+CUDA_ZOO = {
+    "gpt2": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 2048, "seq": 256, "batch": 8},
+    "llama": {"layers": 4, "hidden": 256, "intermediate": 688, "heads": 4, "kv_heads": 2, "vocab": 2048, "seq": 256,
+              "batch": 8},
+    "vit": {"layers": 4, "hidden": 192, "intermediate": 768, "heads": 4, "image": 128, "patch": 8, "classes": 10,
+            "batch": 8, "dropout": 0.1},
+    "resnet50": {"depths": (3, 3), "hidden_sizes": (64, 64), "embedding_size": 8, "image": 128, "classes": 10,
+                 "batch": 16},
+}
+
+
+@pytest.fixture
+def on_a_smaller_gpu(monkeypatch):
+    """Deterministic CUDA kernels, and ``cap(bytes)``: the allocator refuses more than that until the test ends."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    def cap(limit):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+
+    yield cap
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fraction", [0.8, 0.6])
-def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(fraction):
-    zoo = build("gpt2", **{**SMALL["gpt2"], "batch": 8})
-    model, inputs = zoo.model.cuda(), {k: v.cuda() for k, v in zoo.inputs.items()}
-    keep = remat.measure(model, inputs, warmup=0, repeat=1).peak_bytes
-    reference = _grads(model, inputs, None)
+@pytest.mark.parametrize("name", list(CUDA_ZOO))
+def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(name, fraction, on_a_smaller_gpu):
+    zoo = build(name, **CUDA_ZOO[name])
+    model = zoo.model.cuda()
+    inputs = {k: v.cuda() for k, v in zoo.inputs.items()} if isinstance(zoo.inputs, dict) else zoo.inputs.cuda()
+    keep = remat.measure(model, inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+    reference = _grads(model, inputs, zoo.loss_fn)
     budget = int(fraction * keep)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.set_per_process_memory_fraction(budget / total)
+    # the device: the budget and the allocator's rounding of it; the step without checkpointing does not fit
+    on_a_smaller_gpu(budget + (budget >> 5))
+    with pytest.raises(torch.OutOfMemoryError):
+        remat.measure(model, inputs, zoo.loss_fn, warmup=0, repeat=1)
+    on_a_smaller_gpu(budget + (budget >> 5))
+    plan = remat.auto(model, inputs, budget, loss_fn=zoo.loss_fn, repeat=1, warmup=0)
     try:
-        plan = remat.auto(model, inputs, budget, repeat=1, warmup=0)
-        assert torch.cuda.max_memory_allocated() <= budget
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    try:
+        assert torch.cuda.max_memory_allocated() <= budget + (budget >> 5)
         assert plan.checkpointed and plan.measured_peak_bytes <= budget
-        got = _grads(model, inputs, None)
+        got = _grads(model, inputs, zoo.loss_fn)
         assert all(torch.equal(reference[n], got[n]) for n in reference)
     finally:
         remat.remove(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_profile_that_runs_out_of_gpu_memory_says_how_much_it_needs(on_a_smaller_gpu):
+    zoo = build("gpt2", **CUDA_ZOO["gpt2"])
+    model = zoo.model.cuda()
+    inputs = {k: v.cuda() for k, v in zoo.inputs.items()}
+    keep = remat.measure(model, inputs, warmup=0, repeat=1).peak_bytes
+    on_a_smaller_gpu(int(0.7 * keep))
+    with pytest.raises(remat.RematError, match="ran out of device memory") as err:
+        remat.profile(model, inputs, repeat=1, warmup=0)
+    assert isinstance(err.value, torch.cuda.OutOfMemoryError) and "remat.auto(model, inputs, budget)" in str(err.value)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_no_budget_off_cuda_is_refused_with_the_fix():
