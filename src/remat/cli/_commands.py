@@ -91,8 +91,8 @@ def profile_within(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
     fake = run_profile(args, ui, loaded, fake_for=device_target(loaded.model, loaded.inputs))
     if fake.baseline_peak_bytes <= remat.parse_budget(args.budget, fake.baseline_peak_bytes):
         return run_profile(args, ui, loaded)
-    warning_line(
-        f"the step without checkpointing is predicted at {human_bytes(fake.baseline_peak_bytes)}, over the budget "
+    ui.say(
+        f"The step without checkpointing is predicted at {human_bytes(fake.baseline_peak_bytes)}, over the budget "
         f"{human_bytes(remat.parse_budget(args.budget, fake.baseline_peak_bytes))}: profiled on fake tensors (memory "
         "exact, times from the device's roofline), so that no step over the budget ran. remat.auto verifies such a "
         "plan with real steps within the budget."
