@@ -52,8 +52,8 @@ class _Summary:
 # without checkpointing does not fit). Whole-tensor int64 and float64 copies would add
 # four to eight times the largest gradient to the step's peak; a chunk of a sixteenth
 # of the tensor (at most a million elements), with the arithmetic in place, adds at
-# most its size. The digest weights each element by its index in the whole tensor, so
-# the chunking does not change it.
+# most its size. The digest weights each element by its index in the whole tensor, and
+# the chunks depend on the tensor's size alone, so equal tensors get equal digests.
 def _summarise(t: torch.Tensor) -> _Summary:
     flat = t.detach().reshape(-1)
     bits_dtype = _BITS.get(flat.element_size())

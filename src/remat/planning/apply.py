@@ -185,8 +185,9 @@ def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
 # starts with the lowest-peak plan (NOTE [The step verified plans are compared with])
 # and a step that runs out of memory is a plan over the budget (NOTE [Out of memory is
 # an answer]); so is a real profile that runs out of memory (auto plans on the fake one).
-# A model fake tensors cannot run is profiled for real, as before, and the log says so. Compiled verification (``compiled=``) measures the compiled step
-# without checkpointing first and is left as it was.
+# A model fake tensors cannot run is profiled for real, as before, and the log says so.
+# Compiled verification (``compiled=``) measures the compiled step without checkpointing
+# first and is left as it was.
 def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool,
                     profile_options: dict) -> Any:
     """The profile auto plans on (NOTE [Within the budget]); ``fit``: real steps may follow it."""
