@@ -12,9 +12,10 @@ raise there, so ``except RuntimeError`` / ``except CheckpointError`` /
 
 from __future__ import annotations
 
+import torch
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["CheckpointOptionError", "RecomputeError", "RematError"]
+__all__ = ["CheckpointOptionError", "OutOfMemory", "RecomputeError", "RematError"]
 
 
 class RematError(Exception):
@@ -36,3 +37,15 @@ class RecomputeError(RematError, CheckpointError):
 class CheckpointOptionError(RematError, ValueError):
     """An option of ``torch.utils.checkpoint.checkpoint`` that ``remat.checkpoint`` refuses (its value, or
     an option remat cannot honour); a ``ValueError``, as torch's refusals of option values are."""
+
+
+class OutOfMemory(RematError, torch.OutOfMemoryError):
+    """A step remat ran did not fit the device; the model was restored.
+
+    NOTE [Out of memory, told and still caught]
+    A bare ``torch.OutOfMemoryError`` from ``remat.profile`` or ``remat.measure`` says neither
+    that remat's own step ran out (not the user's), nor how much the step needs, nor what to do.
+    remat raises this instead, with the numbers and the fix; it is also a
+    ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class), so code that
+    catches out-of-memory to try a smaller batch keeps working.
+    """

@@ -56,3 +56,21 @@ def test_swapped_elements_differ():
     w = model[2].weight.grad
     w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
     assert before.differences(fingerprint(model, loss), exact=True) == ["grad:2.weight"]
+
+
+def test_a_summary_leaves_the_tensor_as_it_was_and_its_digest_does_not_follow_the_chunks(monkeypatch):
+    # NOTE [A summary fits beside the step]: chunks of a sixteenth of the tensor, arithmetic in place
+    from remat.core import _fingerprint
+
+    wide = torch.randn(40000, dtype=torch.float64)
+    before = wide.clone()
+    _fingerprint._summarise(wide)
+    assert torch.equal(wide, before)  # float64 chunks are views of the tensor itself
+    t = torch.randn(40000)
+    chunked = _fingerprint._summarise(t)
+    monkeypatch.setattr(_fingerprint, "_PARTS", 1)
+    monkeypatch.setattr(_fingerprint, "_CHUNK", 1 << 30)
+    whole = _fingerprint._summarise(t)
+    assert chunked.digest == whole.digest and abs(chunked.total - whole.total) <= 1e-9 * whole.magnitude
+    t[12345] = torch.nextafter(t[12345], torch.tensor(2.0))
+    assert _fingerprint._summarise(t).digest != chunked.digest

@@ -126,3 +126,34 @@ def test_callback_refuses_transformers_gradient_checkpointing_and_bad_budgets(tm
         RematCallback(budget="twenty")
     with pytest.raises(remat.RematError, match="give budget="):
         RematCallback()
+
+
+def _trained_on_a_device(tmp_path, capacity, *callbacks):
+    """The model after ``_train`` run on a simulated device of ``capacity`` bytes, and the device."""
+    from _device import SimulatedDevice
+
+    model = _model()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
+        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", seed=0, data_seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=list(callbacks))
+    device = SimulatedDevice(capacity, [*model.parameters(), *model.buffers()])
+    with device:
+        trainer.train()
+    return model, device
+
+
+def test_the_callback_plans_within_a_device_the_trainer_does_not_fit(tmp_path):
+    """The Trainer's loop without checkpointing needs more than the device has; with the callback it trains,
+    the same weights, and neither planning nor training ever holds more than the device."""
+    torch.use_deterministic_algorithms(True)
+    reference, plain = _trained_on_a_device(tmp_path / "plain", 1 << 40)
+    capacity = int(0.7 * plain.peak)
+    with pytest.raises(torch.OutOfMemoryError):
+        _trained_on_a_device(tmp_path / "refused", capacity)
+    callback = RematCallback(budget=capacity, repeat=1)
+    model, device = _trained_on_a_device(tmp_path / "remat", capacity, callback)
+    assert callback.plan.checkpointed and device.peak <= capacity, (device.peak, capacity)
+    assert callback.plan.measured_peak_bytes <= capacity
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(want, got), name

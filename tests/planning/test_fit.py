@@ -24,9 +24,26 @@ def _mlp():
     return nn.Sequential(*(Block() for _ in range(6))), torch.randn(32, 32, 32), None
 
 
-def _gpt2():
-    zoo = build("gpt2", **SMALL["gpt2"])
+#: Small zoo models (a step in well under a second on 2 CPU cores), with the zoo's dropout where it has one.
+ZOO = {
+    "gpt2": SMALL["gpt2"],
+    "llama": SMALL["llama"],
+    # ViT and ResNet with activations well above their parameters, so that 0.6 of the step is above the lowest
+    # peak any plan reaches (a ResNet block under full keeps its input, half of what it keeps without checkpointing)
+    "vit": {"layers": 3, "hidden": 32, "intermediate": 64, "heads": 2, "image": 64, "patch": 8, "classes": 10,
+            "batch": 2, "dropout": 0.1},
+    "resnet50": {"depths": (3, 3), "hidden_sizes": (32, 32), "embedding_size": 4, "image": 32, "classes": 10,
+                 "batch": 8},
+}
+
+
+def _zoo(name):
+    zoo = build(name, **ZOO[name])
     return zoo.model, zoo.inputs, zoo.loss_fn
+
+
+def _gpt2():
+    return _zoo("gpt2")
 
 
 def _loss(model, inputs, loss_fn):
@@ -46,9 +63,9 @@ def _grads(model, inputs, loss_fn):
 
 
 @pytest.mark.parametrize("fraction", [0.8, 0.6])
-@pytest.mark.parametrize("build_model", [_mlp, _gpt2], ids=["mlp-chain", "gpt2"])
-def test_auto_fits_a_device_the_step_without_checkpointing_does_not(build_model, fraction):
-    model, inputs, loss_fn = build_model()
+@pytest.mark.parametrize("name", ["mlp-chain", *ZOO])
+def test_auto_fits_a_device_the_step_without_checkpointing_does_not(name, fraction):
+    model, inputs, loss_fn = _mlp() if name == "mlp-chain" else _zoo(name)
     keep = remat.measure(model, inputs, loss_fn, warmup=0, repeat=1).peak_bytes
     reference = _grads(model, inputs, loss_fn)
     budget = int(fraction * keep)
@@ -134,29 +151,70 @@ def test_a_plan_the_device_refuses_in_its_step_leaves_the_model_restored():
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
 
 
+#: Zoo models on a GPU: activations of tens of MiB, so that the caching allocator's rounding (512-byte blocks, 2 MiB
+#: segments for small tensors) is small beside the budget.
+CUDA_ZOO = {
+    "gpt2": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 2048, "seq": 256, "batch": 8},
+    "llama": {"layers": 4, "hidden": 256, "intermediate": 688, "heads": 4, "kv_heads": 2, "vocab": 2048, "seq": 256,
+              "batch": 8},
+    "vit": {"layers": 4, "hidden": 192, "intermediate": 768, "heads": 4, "image": 128, "patch": 8, "classes": 10,
+            "batch": 8, "dropout": 0.1},
+    "resnet50": {"depths": (3, 3), "hidden_sizes": (64, 64), "embedding_size": 8, "image": 128, "classes": 10,
+                 "batch": 16},
+}
+
+
+@pytest.fixture
+def on_a_smaller_gpu(monkeypatch):
+    """Deterministic CUDA kernels, and ``cap(bytes)``: the allocator refuses more than that until the test ends."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    def cap(limit):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+
+    yield cap
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fraction", [0.8, 0.6])
-def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(fraction):
-    zoo = build("gpt2", **{**SMALL["gpt2"], "batch": 8})
-    model, inputs = zoo.model.cuda(), {k: v.cuda() for k, v in zoo.inputs.items()}
-    keep = remat.measure(model, inputs, warmup=0, repeat=1).peak_bytes
-    reference = _grads(model, inputs, None)
+@pytest.mark.parametrize("name", list(CUDA_ZOO))
+def test_auto_fits_a_gpu_the_step_without_checkpointing_does_not(name, fraction, on_a_smaller_gpu):
+    zoo = build(name, **CUDA_ZOO[name])
+    model = zoo.model.cuda()
+    inputs = {k: v.cuda() for k, v in zoo.inputs.items()} if isinstance(zoo.inputs, dict) else zoo.inputs.cuda()
+    keep = remat.measure(model, inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+    reference = _grads(model, inputs, zoo.loss_fn)
     budget = int(fraction * keep)
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.set_per_process_memory_fraction(budget / total)
+    # the device: the budget and the allocator's rounding of it; the step without checkpointing does not fit
+    on_a_smaller_gpu(budget + (budget >> 5))
+    with pytest.raises(torch.OutOfMemoryError):
+        remat.measure(model, inputs, zoo.loss_fn, warmup=0, repeat=1)
+    on_a_smaller_gpu(budget + (budget >> 5))
+    plan = remat.auto(model, inputs, budget, loss_fn=zoo.loss_fn, repeat=1, warmup=0)
     try:
-        plan = remat.auto(model, inputs, budget, repeat=1, warmup=0)
-        assert torch.cuda.max_memory_allocated() <= budget
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    try:
+        assert torch.cuda.max_memory_allocated() <= budget + (budget >> 5)
         assert plan.checkpointed and plan.measured_peak_bytes <= budget
-        got = _grads(model, inputs, None)
+        got = _grads(model, inputs, zoo.loss_fn)
         assert all(torch.equal(reference[n], got[n]) for n in reference)
     finally:
         remat.remove(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_profile_that_runs_out_of_gpu_memory_says_how_much_it_needs(on_a_smaller_gpu):
+    zoo = build("gpt2", **CUDA_ZOO["gpt2"])
+    model = zoo.model.cuda()
+    inputs = {k: v.cuda() for k, v in zoo.inputs.items()}
+    keep = remat.measure(model, inputs, warmup=0, repeat=1).peak_bytes
+    on_a_smaller_gpu(int(0.7 * keep))
+    with pytest.raises(remat.RematError, match="ran out of device memory") as err:
+        remat.profile(model, inputs, repeat=1, warmup=0)
+    assert isinstance(err.value, torch.cuda.OutOfMemoryError) and "remat.auto(model, inputs, budget)" in str(err.value)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_no_budget_off_cuda_is_refused_with_the_fix():
@@ -196,3 +254,80 @@ def test_a_real_profile_that_runs_out_of_memory_leaves_auto_on_the_fake_one(monk
     plan = remat.auto(model, x, 1.0, repeat=1, warmup=0)  # the step without checkpointing fits the budget
     assert not plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+
+
+def test_a_profile_that_runs_out_of_memory_says_how_much_it_needs():
+    model, x, _ = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    device = SimulatedDevice(int(0.7 * keep), resting(model, x))
+    with device, pytest.raises(remat.RematError, match="ran out of device memory") as err:
+        remat.profile(model, x, repeat=1, warmup=0)
+    assert isinstance(err.value, torch.OutOfMemoryError)  # code that catches out-of-memory still does
+    assert f"predicted at {keep} bytes" in str(err.value) and "remat.auto(model, inputs, budget)" in str(err.value)
+    assert device.peak <= device.capacity
+    with device, pytest.raises(remat.RematError, match="remat.measure: a measured step ran out of device memory"):
+        remat.measure(model, x, warmup=0, repeat=1)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert {m.training for m in model.modules()} == {True}
+
+
+def _cli_plan(monkeypatch, capsys, fraction):
+    """``remat plan gpt2 --budget`` at ``fraction`` of the step on a simulated device of that budget: the plan it
+    prints, the device, and whether each profile it ran was on fake tensors."""
+    from remat.cli._main import main
+    from remat.profiling import profile as profile_module
+
+    kinds, profile = [], profile_module.profile
+    monkeypatch.setattr(remat, "profile", lambda *a, **k: kinds.append(bool(k.get("fake"))) or profile(*a, **k))
+    zoo = build("gpt2", layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256)
+    budget = int(fraction * remat.measure(zoo.model, zoo.inputs, warmup=0, repeat=1).peak_bytes)
+    args = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "256"]
+    device = SimulatedDevice(budget)
+    with device:
+        assert main(["plan", "gpt2", *args, "--repeat", "1", "--budget", str(budget), "--json"]) == 0
+    return remat.Plan.from_json(capsys.readouterr().out), device, kinds
+
+
+def test_cli_plan_runs_no_step_over_the_budget(monkeypatch, capsys):
+    plan, device, kinds = _cli_plan(monkeypatch, capsys, 0.85)
+    assert kinds == [True] and plan.checkpointed and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert device.peak <= device.capacity
+    _, _, kinds = _cli_plan(monkeypatch, capsys, 1.2)  # the step without checkpointing fits: measured as before
+    assert kinds == [True, False]
+
+
+def test_max_batch_tries_no_batch_predicted_over_the_budget(monkeypatch):
+    from remat.bench import _run
+
+    options = {"layers": 4, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 64}
+    zoo = build("llama", **options, batch=2)
+    budget = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+    measured, peak = [], _run._step_peak
+    monkeypatch.setattr(_run, "_step_peak", lambda zoo, setup: measured.append(zoo.inputs["input_ids"].shape[0])
+                        or peak(zoo, setup))
+    # the budget is the step's peak at batch 2 to the byte; the device has room for the few bytes (a scalar) that
+    # remat's step holds outside the step it tracks
+    device = SimulatedDevice(budget + 1024)
+    with device:
+        result = _run.max_batch("llama", budget, strategies=("none", "remat"), options=options, limit=4)
+    assert result.batches["none"] == 2 and result.batches["remat"] > 2 and result.peaks["remat"] <= budget
+    assert device.peak <= device.capacity and not device.refused
+    tried = [b for s in ("none", "remat") for b in result.tried[s]]
+    assert len(measured) < len(tried)  # the batches predicted over were answered without a step
+
+
+def test_distributed_auto_profiles_within_the_budget():
+    model, x, _ = _mlp()
+    reference = _grads(model, x, None)
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    device = SimulatedDevice(int(0.7 * keep), resting(model, x))
+    with device:
+        plan = remat.distributed.auto(model, x, int(0.7 * keep), repeat=1, warmup=0)  # no process group: rank 0
+    try:
+        assert plan.checkpointed and device.peak <= device.capacity
+        assert remat.measure(model, x, warmup=0, repeat=1).peak_bytes <= int(0.7 * keep)
+        got = _grads(model, x, None)
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)

@@ -26,6 +26,7 @@ draws from its own random stream.
 from __future__ import annotations
 
 import datetime
+import gc
 import platform
 import statistics
 from collections.abc import Callable, Sequence
@@ -40,13 +41,13 @@ from remat.bench._rounds import Progress, interleaved_rounds, timed_step
 from remat.bench._rows import BenchRow, MaxBatchResult
 from remat.bench._setups import Setup, baselines, remat_plan, torch_compile
 from remat.zoo import ZooModel, build
-from remat.core._state import capture
+from remat.core._memtrack import empty_device_cache
+from remat.core._state import capture, restoring
 from remat.core._step import training_step
 from remat.core.measure import measure_peak
 from remat.errors import RematError
 from remat.planning.plan import Plan
 from remat.profiling._blocks import find_blocks
-from remat.profiling._scale import profile_at_batch
 from remat.profiling._types import Profile
 
 __all__ = ["bench_model", "max_batch", "run_bench", "search_max", "QUICK"]
@@ -268,54 +269,65 @@ def search_max(fits: Callable[[int], bool], *, start: int = 1, limit: int = 4096
     return lo, tried
 
 
-def _scaled_profile(profiles: dict[int, Profile], batch: int) -> Profile | None:
-    """A profile for ``batch`` from the two real ones nearest to it (NOTE [Profiles across batch sizes])."""
-    if len(profiles) < 2:
-        return None
-    b1, b2 = sorted(profiles, key=lambda b: (abs(b - batch), b))[:2]
+# NOTE [max-batch runs no step predicted over the budget]
+# The search for the largest batch tries batches that do not fit; on a GPU their steps
+# would die of out-of-memory, or hold more than the budget allowed. So each batch is
+# first profiled on fake tensors (nothing allocated; memory exact on the CPU, the GPU
+# target's kernels and workspaces on CUDA), and a batch whose step is predicted over
+# the budget is answered "does not fit" without running it: for ``none`` the step
+# without checkpointing, for ``every-block`` every block ``full``, for ``remat`` the
+# lowest peak any plan reaches. A batch predicted within the budget runs one real
+# step (remat's with the plan for the budget), whose measured peak decides; a step
+# that runs out of memory all the same does not fit.
+def _predicted(zoo: ZooModel, blocks: list[str], strategy: str) -> tuple[Profile, int]:
+    """(the fake profile of ``zoo``'s step, its predicted peak under ``strategy``; for remat the lowest)."""
+    from remat.planning.apply import device_target
+
+    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=blocks, fake=True,
+                         target=device_target(zoo.model, zoo.inputs),
+                         policies=("keep", "full") if strategy != "remat" else ("keep", "selective", "full"))
+    if strategy == "none":
+        return prof, prof.baseline_peak_bytes
+    if strategy == "every-block":
+        return prof, prof.predict_peak({b.name: "full" for b in prof.blocks})
+    return prof, remat.plan(prof, strategy="none").min_peak_bytes
+
+
+def _step_peak(zoo: ZooModel, setup: Setup) -> int:
+    """The peak of one step with ``setup`` on, holding no copy of the parameters beside it (NOTE [Snapshots a
+    step without an optimizer needs]): on the device the budget is for, the snapshot would count."""
+    gc.collect()  # the models of batches tried before, in reference cycles, still hold their memory
+    empty_device_cache()
+    setup.on(zoo.model)
     try:
-        return profile_at_batch(profiles[b1], b1, profiles[b2], b2, batch)
-    except RematError:
-        return None
+        state = capture(zoo.model, "remat.bench.max_batch", parameters=False)
+        with restoring("remat.bench.max_batch", state.restore):
+            return measure_peak(zoo.model, zoo.inputs, zoo.loss_fn)[0]
+    finally:
+        setup.off(zoo.model)
 
 
-def _plan_or_none(prof: Profile, budget: int) -> Plan | None:
+def _measured_within(zoo: ZooModel, setup: Setup, budget: int, batch: int, peaks: dict[int, int]) -> bool:
     try:
-        return remat.plan(prof, budget)
-    except RematError:
-        return None
-
-
-def _remat_fits(zoo: ZooModel, blocks: list[str], budget: int, batch: int, peaks: dict[int, int],
-                profiles: dict[int, Profile]) -> bool:
-    # A plan from a scaled profile that measures within the budget settles it; otherwise
-    # profile this batch for real, as before, so the answer never rests on the scaling.
-    scaled = _scaled_profile(profiles, batch)
-    plan = _plan_or_none(scaled, budget) if scaled is not None else None
-    if plan is not None:
-        peak = _peak(zoo, remat_plan(plan, "remat"))
-        if peak <= budget:
-            peaks[batch] = peak
-            return True
-    profiles[batch] = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=blocks, repeat=1, warmup=0)
-    plan = _plan_or_none(profiles[batch], budget)
-    if plan is None:
+        peaks[batch] = _step_peak(zoo, setup)
+    except torch.OutOfMemoryError:  # predicted within, measured over: the device said so
+        gc.collect()
+        empty_device_cache()
         return False
-    peaks[batch] = _peak(zoo, remat_plan(plan, "remat"))
     return peaks[batch] <= budget
 
 
 def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int],
-          profiles: dict[int, Profile]) -> bool:
+          predictions: dict[int, int]) -> bool:
     zoo = build(name, **{**options, "batch": batch})
     blocks = list(zoo.blocks) or find_blocks(zoo.model)
+    prof, predictions[batch] = _predicted(zoo, blocks, strategy)  # NOTE [max-batch runs no step predicted ...]
+    if predictions[batch] > budget:
+        return False
     if strategy == "remat":
-        return _remat_fits(zoo, blocks, budget, batch, peaks, profiles)
-    else:
-        none, every, *_ = baselines(zoo.model, blocks)
-        setup = {"none": none, "every-block": every}[strategy]
-    peaks[batch] = _peak(zoo, setup)
-    return peaks[batch] <= budget
+        return _measured_within(zoo, remat_plan(remat.plan(prof, budget), "remat"), budget, batch, peaks)
+    none, every, *_ = baselines(zoo.model, blocks)
+    return _measured_within(zoo, {"none": none, "every-block": every}[strategy], budget, batch, peaks)
 
 
 def max_batch(name: str, budget_bytes: int, *, strategies: Sequence[str] = ("none", "every-block", "remat"),
@@ -330,8 +342,8 @@ def max_batch(name: str, budget_bytes: int, *, strategies: Sequence[str] = ("non
         if progress:
             progress(f"{name}: max batch with {strategy}", i, len(strategies))
         seen: dict[int, int] = {}
-        profiles: dict[int, Profile] = {}
+        predicted: dict[int, int] = {}
         batches[strategy], tried[strategy] = search_max(
-            lambda b: _fits(name, options, strategy, budget_bytes, b, seen, profiles), limit=limit)
+            lambda b: _fits(name, options, strategy, budget_bytes, b, seen, predicted), limit=limit)
         peaks[strategy] = seen.get(batches[strategy], 0)
     return MaxBatchResult(name, budget_bytes, batches, peaks, tried)

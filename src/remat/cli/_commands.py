@@ -68,16 +68,36 @@ def _blocks(text: str | None) -> str | list[str] | None:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
-    """``remat.profile`` with the command line's options."""
-    kind = f"fake tensors for {args.target or 'cpu'}" if args.fake else "measured"
+def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded, *, fake_for: str | None = None) -> Any:
+    """``remat.profile`` with the command line's options (``fake_for``: on fake tensors for this target)."""
+    fake, target = (True, fake_for) if fake_for else (args.fake, args.target if args.fake else None)
+    kind = f"fake tensors for {target or 'cpu'}" if fake else "measured"
     with ui.status(f"profiling {args.model} ({kind}): one traced step per policy ..."):
         return remat.profile(
             loaded.model, loaded.inputs, loaded.loss_fn, blocks=_blocks(args.blocks), repeat=args.repeat,
-            fake=args.fake, target=args.target if args.fake else None,
+            fake=fake, target=target,
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
             optimizer=make_optimizer(args.optimizer, loaded.model), accumulation_steps=args.accumulation_steps,
         )
+
+
+def profile_within(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
+    """The profile to plan ``--budget`` on, running no real step predicted over it (NOTE [Within the budget] in
+    remat.planning.apply): on fake tensors first, then measured only if the step without checkpointing fits."""
+    from remat.planning.apply import device_target
+
+    if args.fake or args.budget is None:
+        return run_profile(args, ui, loaded)
+    fake = run_profile(args, ui, loaded, fake_for=device_target(loaded.model, loaded.inputs))
+    if fake.baseline_peak_bytes <= remat.parse_budget(args.budget, fake.baseline_peak_bytes):
+        return run_profile(args, ui, loaded)
+    ui.say(
+        f"The step without checkpointing is predicted at {human_bytes(fake.baseline_peak_bytes)}, over the budget "
+        f"{human_bytes(remat.parse_budget(args.budget, fake.baseline_peak_bytes))}: profiled on fake tensors (memory "
+        "exact, times from the device's roofline), so that no step over the budget ran. remat.auto verifies such a "
+        "plan with real steps within the budget."
+    )
+    return fake
 
 
 #: ``--optimizer``: the loop's optimizer, on the model's parameters (memory does not depend on the rates).
@@ -192,7 +212,7 @@ def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
     if args.budget is not None:
         remat.parse_budget(args.budget, 1)  # a typo fails now, not after profiling
     loaded = load(args, ui)
-    prof = run_profile(args, ui, loaded)
+    prof = profile_within(args, ui, loaded)
     data = profile_data(args, prof, loaded)
     if args.out:
         Path(args.out).write_text(prof.to_json())
@@ -249,7 +269,7 @@ def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
     check_writable(args.out)
     check_writable(args.plot, "--plot")
     loaded = load(args, ui)
-    prof = run_profile(args, ui, loaded)
+    prof = profile_within(args, ui, loaded)
     chosen = remat.plan(prof, args.budget, strategy=args.strategy)
     if chosen.budget_bytes is not None and chosen.predicted_peak_bytes > chosen.budget_bytes:
         warning_line(

@@ -22,8 +22,11 @@ from torch import nn
 
 __all__ = ["Fingerprint", "fingerprint"]
 
-#: Elements summarised at a time, so that the int64 copies stay small beside the tensor.
+#: Elements summarised at a time: at most ``_CHUNK``, at least ``_MIN_CHUNK``, else a ``_PARTS``-th of the
+#: tensor, so that the int64 and float64 copies stay small beside it (NOTE [A summary fits beside the step]).
 _CHUNK = 1 << 20
+_MIN_CHUNK = 4096
+_PARTS = 16
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Relative tolerance of the sums where kernels are not deterministic, by element size.
 _RTOL = {1: 1e-2, 2: 1e-2, 4: 1e-4, 8: 1e-8}
@@ -43,22 +46,33 @@ class _Summary:
                 and abs(self.squares - other.squares) <= rtol * self.squares + 1e-12)
 
 
+# NOTE [A summary fits beside the step]
+# The gradients are summarised right after the step, while all of them are alive, on a
+# device the step may fill to its budget (auto verifies plans on devices the step
+# without checkpointing does not fit). Whole-tensor int64 and float64 copies would add
+# four to eight times the largest gradient to the step's peak; a chunk of a sixteenth
+# of the tensor (at most a million elements), with the arithmetic in place, adds at
+# most its size. The digest weights each element by its index in the whole tensor, and
+# the chunks depend on the tensor's size alone, so equal tensors get equal digests.
 def _summarise(t: torch.Tensor) -> _Summary:
     flat = t.detach().reshape(-1)
     bits_dtype = _BITS.get(flat.element_size())
     first = second = 0
     total = squares = magnitude = 0.0
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = flat[start:start + _CHUNK]
+    size = min(_CHUNK, max(_MIN_CHUNK, flat.numel() // _PARTS))
+    for start in range(0, flat.numel(), size):
+        chunk = flat[start:start + size]
         if bits_dtype is not None and not chunk.is_complex():
             bits = chunk.contiguous().view(bits_dtype).to(torch.int64)
-            weights = torch.arange(start, start + bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
             first += int(bits.sum())
-            second += int((bits * weights).sum())
+            weights = torch.arange(start, start + bits.numel(), device=bits.device, dtype=torch.int64)
+            second += int(weights.remainder_(65521).add_(1).mul_(bits).sum())
+            del bits, weights
         values = chunk.to(torch.float64) if chunk.is_floating_point() else chunk.double()
         total += float(values.sum())
-        squares += float(values.square().sum())
         magnitude += float(values.abs().sum())
+        squares += float(torch.dot(values, values))  # no copy: values may be the tensor itself (float64)
+        del values
     return _Summary((first, second), total, squares, magnitude, flat.element_size())
 
 

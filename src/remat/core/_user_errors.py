@@ -6,8 +6,8 @@ user's model; an exception from it used to come out raw, with nothing to say it
 happened inside remat's step, in which block, or that the model was restored. The
 error is wrapped in a RematError naming the step and the innermost module of the
 model on the traceback (and the block it belongs to), with the original as
-``__cause__``. remat's own errors pass through as they are, and so does
-``torch.OutOfMemoryError``: code that catches it to shrink a batch keeps working.
+``__cause__``. remat's own errors pass through as they are; a ``torch.OutOfMemoryError``
+becomes ``remat.errors.OutOfMemory``, still one (NOTE [Out of memory, told and still caught]).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from remat.core._step import input_tensors
 from remat.core.checkpoint import is_wrapped
-from remat.errors import RecomputeError, RematError
+from remat.errors import OutOfMemory, RecomputeError, RematError
 
 
 def _innermost_module(model: nn.Module, tb: TracebackType | None) -> str | None:
@@ -57,8 +57,15 @@ def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = 
     except RecomputeError as exc:  # already says what failed; add where, from the model's own exception
         where = where_raised(model, exc.__cause__, list(blocks)) if exc.__cause__ is not None else ""
         raise RecomputeError(f"{api}: recomputation{where} failed during {step}: {exc}") from exc.__cause__
-    except (RematError, torch.OutOfMemoryError):
+    except RematError:
         raise
+    except torch.OutOfMemoryError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        raise OutOfMemory(
+            f"{api}: {step} ran out of device memory ({reason}). The model was restored. To plan for the memory you "
+            "have, call remat.auto(model, inputs, budget), which profiles on fake tensors when the step without "
+            "checkpointing does not fit, or profile with fake=True (nothing is allocated); or lower the batch size."
+        ) from exc
     except Exception as exc:
         raise RematError(
             f"{api}: the training step raised {type(exc).__name__}{where_raised(model, exc, list(blocks))} during "

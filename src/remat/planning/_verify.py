@@ -52,13 +52,14 @@ from remat.core._segment import NotAChain
 from remat.core._state import capture, restoring
 from remat.core._user_errors import model_errors
 from remat.core.measure import compiled_peak, device_of, measure_peak
+from remat.errors import OutOfMemory as TheStepRanOut
 from remat.errors import RematError
 from remat.planning._compiled import chain_profile, design, fit, is_chain
 from remat.planning._put import put, remove
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._format import human_bytes
 
-__all__ = ["Findings", "OutOfMemory", "Unreachable", "verified_plan"]
+__all__ = ["Findings", "OutOfMemory", "Unreachable", "out_of_memory_reason", "verified_plan"]
 
 log = logging.getLogger("remat")
 
@@ -107,7 +108,7 @@ def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: 
     try:
         return _step(model, inputs, loss_fn, plan, backend, loop)
     except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is the same class
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        reason = out_of_memory_reason(exc)
     # the failed step's tensors are garbage now: free them, then give the allocator's cache back
     gc.collect()
     empty_device_cache()
@@ -116,6 +117,12 @@ def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: 
         f"remat.auto: a step with blocks {checkpointed} checkpointed (predicted peak "
         f"{human_bytes(plan.predicted_peak_bytes)}) ran out of device memory ({reason}); the model was restored."
     )
+
+
+def out_of_memory_reason(exc: BaseException) -> str:
+    """The first line of what the device said when it ran out (under remat's own telling of it)."""
+    said = str(exc.__cause__ if isinstance(exc, TheStepRanOut) and exc.__cause__ is not None else exc).strip()
+    return said.splitlines()[0] if said else "no message"
 
 
 def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None,

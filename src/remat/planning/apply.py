@@ -26,14 +26,14 @@ from remat.core._user_errors import require_module
 from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._put import put, remove
-from remat.planning._verify import Findings, Unreachable, verified_plan
+from remat.planning._verify import Findings, Unreachable, out_of_memory_reason, verified_plan
 from remat.planning.plan import _ACCEPTED as ACCEPTED_BUDGETS
 from remat.planning.plan import Plan, parse_budget, plan as make_plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._format import human_bytes
 from remat.profiling.profile import profile as make_profile
 
-__all__ = ["apply", "auto", "remove"]
+__all__ = ["apply", "auto", "device_target", "remove"]
 
 log = logging.getLogger("remat")
 
@@ -185,8 +185,9 @@ def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
 # starts with the lowest-peak plan (NOTE [The step verified plans are compared with])
 # and a step that runs out of memory is a plan over the budget (NOTE [Out of memory is
 # an answer]); so is a real profile that runs out of memory (auto plans on the fake one).
-# A model fake tensors cannot run is profiled for real, as before, and the log says so. Compiled verification (``compiled=``) measures the compiled step
-# without checkpointing first and is left as it was.
+# A model fake tensors cannot run is profiled for real, as before, and the log says so.
+# Compiled verification (``compiled=``) measures the compiled step without checkpointing
+# first and is left as it was.
 def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool,
                     profile_options: dict) -> Any:
     """The profile auto plans on (NOTE [Within the budget]); ``fit``: real steps may follow it."""
@@ -194,7 +195,7 @@ def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fi
         return make_profile(model, inputs, loss_fn, **profile_options)
     options = {k: v for k, v in profile_options.items() if k not in ("warmup", "repeat")}
     try:
-        fake = make_profile(model, inputs, loss_fn, **{**options, "fake": True, "target": _target(model, inputs)})
+        fake = make_profile(model, inputs, loss_fn, **{**options, "fake": True, "target": device_target(model, inputs)})
     except RematError as exc:
         log.info("remat.auto: fake tensors cannot run this model (%s): profiled on real tensors.", exc)
         return make_profile(model, inputs, loss_fn, **profile_options)
@@ -202,7 +203,7 @@ def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fi
         try:
             return make_profile(model, inputs, loss_fn, **profile_options)
         except torch.OutOfMemoryError as exc:  # NOTE [Out of memory is an answer]; the profile restored the model
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+            reason = out_of_memory_reason(exc)
         gc.collect()
         empty_device_cache()
         log.warning("remat.auto: the real profile ran out of device memory (%s): planned on fake tensors.", reason)
@@ -233,7 +234,7 @@ def _budget_of_device(model: nn.Module, inputs: Any) -> int:
     return held + int((free + cached) * (1 - FRAGMENTATION_MARGIN))
 
 
-def _target(model: nn.Module, inputs: Any) -> str:
+def device_target(model: nn.Module, inputs: Any) -> str:
     """The fake profile's target for the device the model runs on: its kernels, workspaces and roofline."""
     device = device_of(model, inputs)
     if device.type != "cuda":

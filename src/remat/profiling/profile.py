@@ -6,12 +6,14 @@ The data it returns, and the peak model built on it, live in ``remat.profiling._
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from remat.core._loop import Loop, make_loop
+from remat.core._memtrack import empty_device_cache
 from remat.core._state import restoring
 from remat.core._user_errors import check_devices, model_errors, require_module
-from remat.errors import RematError
+from remat.errors import OutOfMemory, RematError
 from remat.profiling._types import Profile
 
 __all__ = ["profile"]
@@ -99,11 +101,16 @@ def profile(
             if m.training != mode:
                 m.training = mode
 
-    with restoring("remat.profile", restore_modes):
-        if training is not None:
-            model.train(training)
-        with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
-            prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target, loop)
+    try:
+        with restoring("remat.profile", restore_modes):
+            if training is not None:
+                model.train(training)
+            with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
+                prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target, loop)
+    except OutOfMemory as exc:
+        if fake:
+            raise
+        raise _told_out_of_memory(exc, model, inputs, loss_fn, names, policies, loop, training) from exc.__cause__
     prof.training = model.training if training is None else training
     prof.parameters = sum(p.numel() for p in model.parameters())
     return prof
@@ -121,3 +128,37 @@ def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tupl
         return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec, loop=loop)
     return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat,
                        loop=loop)
+
+
+# NOTE [A profile that runs out of memory says how much it needs]
+# A real profile runs the step without checkpointing, which is why it runs out of memory
+# on the device that needs checkpointing. The error then gives the numbers the user needs:
+# a profile on fake tensors (it allocates nothing) predicts the peak without checkpointing
+# and the lowest peak any plan reaches, and remat.auto with a budget between the two plans
+# within it (NOTE [Within the budget] in remat.planning.apply).
+def _told_out_of_memory(exc: OutOfMemory, model: Any, inputs: Any, loss_fn: Any, names: list[str],
+                        policies: tuple[str, ...], loop: Loop, training: bool | None) -> OutOfMemory:
+    from remat.core.measure import device_of
+
+    gc.collect()  # the failed step's tensors, then the allocator's cache they went to
+    empty_device_cache()
+    reason = str(exc.__cause__ or exc).strip().splitlines()[0]
+    device = device_of(model, inputs)
+    target = "cpu" if device.type != "cuda" else "h100"
+    try:
+        fake = profile(model, inputs, loss_fn, blocks=names, policies=("keep", "full"), fake=True, target=target,
+                       training=training, optimizer=loop.optimizer, accumulation_steps=loop.accumulation_steps)
+    except Exception:  # noqa: BLE001 - the numbers are a courtesy; the out-of-memory is the error
+        fake = None
+    if fake is None:
+        numbers = ""
+    else:
+        full = fake.predict_peak({b.name: "full" for b in fake.blocks})
+        numbers = (f" On fake tensors (nothing allocated) its step without checkpointing is predicted at "
+                   f"{fake.baseline_peak_bytes} bytes and with every block recomputed at {full} bytes.")
+    return OutOfMemory(
+        f"remat.profile: a profiled step on {device} ran out of device memory ({reason}); the model was restored."
+        f"{numbers} A real profile runs the step without checkpointing; on a device it does not fit, call "
+        "remat.auto(model, inputs, budget) (it plans on fake tensors and runs only steps predicted within the "
+        "budget), or remat.profile(..., fake=True); or lower the batch size."
+    )

@@ -1,0 +1,154 @@
+"""What ``remat.auto`` itself holds and costs on a device its step without checkpointing does not fit.
+
+    OMP_NUM_THREADS=2 PYTHONPATH=src python benchmarks/fit.py [--quick] [--rounds 3] [--write]
+
+Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
+
+* remat's own peak: the most bytes alive at once during the whole ``remat.auto`` call (fake profile,
+  any real profile, verification steps), counted as the fit tests' simulated device counts them
+  (``tests/_device.py``: every real storage, the model and batch included; fake tensors hold none),
+  against the budget (NOTE [Within the budget] in remat.planning.apply);
+* auto's wall time in units of one training step without checkpointing: auto and a plain step
+  timed in alternation, ``--rounds`` times, medians of each (the machine's load drifts alike for both);
+* what auto chose and how many real steps it verified with.
+
+``--write`` puts the table into BENCHMARKS.md between the markers
+``<!-- benchmarks/fit.py writes from here -->`` and ``<!-- benchmarks/fit.py wrote up to here -->``
+(appended at the end the first time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import remat
+from remat.core._step import input_tensors, training_step
+from remat.planning import _verify
+from remat.profiling._format import human_bytes
+from remat.zoo import build
+
+#: Sizes with a step of tens to hundreds of milliseconds on 2 CPU cores.
+SIZES = {
+    "gpt2": {"layers": 4, "hidden": 128, "heads": 4, "vocab": 2048, "seq": 128, "batch": 4},
+    "llama": {"layers": 4, "hidden": 128, "intermediate": 344, "heads": 4, "kv_heads": 2, "vocab": 2048, "seq": 128,
+              "batch": 4},
+    "vit": {"layers": 4, "hidden": 128, "intermediate": 512, "heads": 4, "image": 64, "patch": 8, "classes": 10,
+            "batch": 4, "dropout": 0.1},
+    "resnet50": {"depths": (3, 3), "hidden_sizes": (64, 64), "embedding_size": 8, "image": 64, "classes": 10,
+                 "batch": 8},
+}
+#: The fit tests' sizes (tests/planning/test_fit.py): seconds per model.
+QUICK = {
+    "gpt2": {"layers": 3, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
+    "llama": {"layers": 3, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
+              "batch": 2},
+    "vit": {"layers": 3, "hidden": 32, "intermediate": 64, "heads": 2, "image": 64, "patch": 8, "classes": 10,
+            "batch": 2, "dropout": 0.1},
+    "resnet50": {"depths": (3, 3), "hidden_sizes": (32, 32), "embedding_size": 4, "image": 32, "classes": 10,
+                 "batch": 8},
+}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _device import SimulatedDevice  # noqa: E402  (the fit tests' device: real storages, fake tensors not counted)
+
+BEGIN, END = "<!-- benchmarks/fit.py writes from here -->", "<!-- benchmarks/fit.py wrote up to here -->"
+
+
+def _auto(zoo, budget: int) -> remat.Plan:
+    try:
+        return remat.auto(zoo.model, zoo.inputs, budget, loss_fn=zoo.loss_fn, repeat=1, warmup=0)
+    finally:
+        remat.remove(zoo.model)
+
+
+def _own_peak(zoo, budget: int) -> tuple[int, remat.Plan, int]:
+    """(the most bytes alive during one auto call, the plan, real steps it verified with)."""
+    steps, measured = [0], _verify._measured
+
+    def counting(*args, **kwargs):
+        steps[0] += 1
+        return measured(*args, **kwargs)
+
+    device = SimulatedDevice(1 << 60, [*zoo.model.parameters(), *zoo.model.buffers(), *input_tensors(zoo.inputs)])
+    _verify._measured = counting
+    try:
+        with device:
+            plan = _auto(zoo, budget)
+    finally:
+        _verify._measured = measured
+    return device.peak, plan, steps[0]
+
+
+def _times(zoo, budget: int, rounds: int) -> tuple[float, float]:
+    """Medians of (one step without checkpointing, one auto call), timed in alternation."""
+    training_step(zoo.model, zoo.inputs, zoo.loss_fn)  # warm-up, outside the rounds
+    zoo.model.zero_grad(set_to_none=True)
+    steps, autos = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+        steps.append(time.perf_counter() - start)
+        zoo.model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        _auto(zoo, budget)
+        autos.append(time.perf_counter() - start)
+    return statistics.median(steps), statistics.median(autos)
+
+
+def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
+    lines = ["| model | budget | peak without checkpointing | remat's own peak during auto | within | "
+             "auto, in steps | one step | real steps verified | plan |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, options in sizes.items():
+        zoo = build(name, **options)
+        keep = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+        for fraction in budgets:
+            budget = int(fraction * keep)
+            torch.manual_seed(0)
+            own, plan, verified = _own_peak(zoo, budget)
+            step_s, auto_s = _times(zoo, budget, rounds)
+            policies = ", ".join(f"{n} {p}" for p, n in sorted(
+                {p: list(plan.assignment.values()).count(p) for p in set(plan.assignment.values())}.items()))
+            lines.append(f"| {name} | {fraction} ({human_bytes(budget)}) | {human_bytes(keep)} | {human_bytes(own)} | "
+                         f"{'yes' if own <= budget else 'NO'} | {auto_s / step_s:.1f} | {step_s * 1e3:.0f} ms | "
+                         f"{verified} | {policies} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def _write(lines: list[str], command: str) -> None:
+    path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else ""
+    section = "\n".join([BEGIN, "", "## remat.auto on a device the step does not fit", "",
+                         f"`{command}` on {platform.machine()} CPU, torch {torch.__version__}, "
+                         f"{torch.get_num_threads()} threads.", "", *lines, "", END])
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the fit tests' small sizes")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (medians)")
+    parser.add_argument("--models", default=",".join(SIZES), help="comma-separated zoo models")
+    parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    args = parser.parse_args()
+    table = QUICK if args.quick else SIZES
+    sizes = {m: table[m] for m in args.models.split(",")}
+    print(f"# {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    lines = rows(sizes, (0.8, 0.6), args.rounds)
+    if args.write:
+        _write(lines, "python benchmarks/fit.py" + (" --quick" if args.quick else ""))
+
+
+if __name__ == "__main__":
+    main()
