@@ -59,6 +59,18 @@ take 0.16 + 0.04 s for 24 blocks, 0.7 + 0.3 s for 48, 1.2 + 0.7 s for 64, 4.9 + 
 ``MAX_BLOCKS`` blocks (the tables then hold about 170 MB), and by ``remat.plan`` only below the
 one-level floor.
 
+NOTE [Who frees a shared output]
+A block's output is often saved both by the block (a ReLU keeps its output) and by
+the next (a Conv keeps its input): in the uniform run of a policy the next block's
+backward then leaves it alive, and the block's own backward frees it, so a block's
+forward plus backward delta depends on its neighbour's policy (``Costs.holds``). The
+DP bounds what the blocks after s leave at s's backward by the most, per block, of
+its delta with that sharing moved to the block that holds the output (``held``), and
+adds block s's own share for its policy. Taking the most of the raw deltas per block
+instead counted each shared output twice on a flat chain (Conv, BatchNorm, ReLU
+as single layers): one more output per three layers, so no time table fitted below
+the baseline while the floor was a fifth of it.
+
 NOTE [What the parent does with a block's output]
 A segment hands the parent, for each of its blocks but the last, the segment's output
 (``remat.core._segment``): right only when the parent does nothing with a block's
@@ -216,7 +228,7 @@ class _Recursion:
         self.span_ok = barred[None, :] == barred[:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
-        self.csum = np.concatenate([[0], np.cumsum(up((ch.fwd_delta + ch.bwd_delta).max(axis=1)))])
+        self.csum, self.held = self._leftovers(c, up, down)
         self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
         # kept[s, e], peak[s, e]: live bytes left and most reached by blocks s..e-1 run saving nothing;
         # refwd[s, e]: their forward time but the last block's (a segment's recomputation before its tail).
@@ -229,6 +241,19 @@ class _Recursion:
                 live += int(self.FD[k, f]) - (int(out[k - 1]) if k > s else 0)
                 self.kept[s, k + 1], self.peak[s, k + 1] = live, top
                 self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
+
+    @staticmethod
+    def _leftovers(c: Costs, up: Callable[[Any], np.ndarray],
+                   down: Callable[[Any], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(csum, held): csum[e] - csum[s], at most what blocks s..e-1 leave after their forward and backward,
+        under any policies; held[s, j]: what block s under policy j adds to what the next block leaves (its
+        output, which it holds until its own backward: NOTE [Who frees a shared output])."""
+        ch, n, P = c.chain, len(c.chain.blocks), c.chain.fwd_delta.shape[1]
+        holds = c.holds if c.holds is not None else np.zeros((n, P), dtype=bool)
+        held = up(c.out)[:, None] * holds
+        net = up(ch.fwd_delta) + up(ch.bwd_delta) + held
+        net[1:] -= down(c.out)[:-1, None] * holds[:-1]
+        return np.concatenate([[0], np.cumsum(net.max(axis=1))]), held
 
     def _fill_all(self) -> None:
         n = len(self.c.chain.blocks)
@@ -270,7 +295,8 @@ class _Tables(_Recursion):
             return
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
         rest = self.cost[top][s + 1, e]
-        ok = (m[None, :] >= self.FP[s, :, None]) & (m[None, :] >= (self.FD[s] + after + self.BP[s])[:, None])
+        ok = (m[None, :] >= self.FP[s, :, None]) & (
+            m[None, :] >= (self.FD[s] + after + self.held[s] + self.BP[s])[:, None])
         ok &= (self.inside | top)[:, None]
         by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
         options = [np.where(ok, by_policy, np.inf)]
