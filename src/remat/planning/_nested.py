@@ -78,7 +78,8 @@ output but pass it to the next block. Reading it (``hidden.append(x)`` summed in
 loss, ``x += bias``, a skip added after two blocks) would read the wrong values, and
 nothing at run time can see a read. The profile can: its run without checkpointing
 records every forward op that reads a block's output outside the next block
-(``Profile.unchained``). Where there is any, the model gets no nested plans.
+(``Profile.unchained``). A segment never goes on past such a block (``Costs.chained``):
+it may end there, and the rest of the chain still gets segments of its own.
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ class Costs:
     """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
     segmentable: np.ndarray | None = None
     """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
+    chained: np.ndarray | None = None
+    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so a
+    segment may go on past it; None: every one."""
 
 
 def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
@@ -226,6 +230,9 @@ class _Recursion:
         # span_ok[s, e]: blocks s..e-1 may form a segment (none of them writes its input)
         barred = np.concatenate([[0], np.cumsum(~c.segmentable if c.segmentable is not None else np.zeros(n, bool))])
         self.span_ok = barred[None, :] == barred[:, None]
+        if c.chained is not None:  # and blocks s..e-2 hand their output to the next block only
+            cut = np.concatenate([[0], np.cumsum(~c.chained)])
+            self.span_ok[:, 1:] &= cut[None, :-1] == cut[:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
         self.csum, self.held = self._leftovers(c, up, down)
@@ -361,9 +368,9 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
 def costs_of(profile: Profile) -> Costs | None:
     """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
     ch = chain_of(profile)
-    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS or set(profile.unchained) & set(
-            ch.blocks[:-1]):
+    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
         return None
+    chained = np.array([b not in profile.unchained for b in ch.blocks])
     by_name = {b.name: b for b in profile.blocks}
     out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)
     holds = np.zeros((len(ch.blocks), len(ch.policies)), dtype=bool)
@@ -378,7 +385,7 @@ def costs_of(profile: Profile) -> Costs | None:
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
     segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable)
+    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained)
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
