@@ -150,3 +150,40 @@ def test_a_flat_conv_chain_reaches_the_floor_of_the_same_chain_written_as_blocks
     floors = [remat.plan(remat.profile(m, x, repeat=1, warmup=0), strategy="none").min_peak_bytes
               for m in (flat, blocks)]
     assert floors[0] <= floors[1], floors
+
+
+class MidSkip(nn.Module):
+    """A layer list whose parent also reads block 3's output (a skip to the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            mid = x if i == 3 else (mid if i > 3 else None)
+        return x + mid
+
+
+def test_segments_stop_at_a_block_the_parent_reads_and_the_rest_still_nests():
+    # The parent reads block 3's output twice: no segment may run past it, but segments may end there and the
+    # blocks on either side still nest (before: one such block left the whole model without nested plans).
+    torch.manual_seed(0)
+    model, x = MidSkip(), torch.randn(BATCH, 32)
+    ref = twin(model)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    assert prof.unchained == ("layers.3",)
+    plan = remat.plan(prof, remat.plan(prof, strategy="none").min_peak_bytes)
+    order = [b.name for b in prof.blocks]
+    spans = [(order.index(a), order.index(b)) for a, b in plan.segments]
+    assert spans and all(b <= 3 or a > 3 for a, b in spans), plan.segments
+    remat.apply(model, plan)
+    try:
+        _train_step(model, x, None)
+        measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+    finally:
+        remat.remove(model)
+    _train_step(ref, x, None)
+    assert_grads_equal(ref, model)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured
