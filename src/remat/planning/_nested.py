@@ -78,8 +78,11 @@ output but pass it to the next block. Reading it (``hidden.append(x)`` summed in
 loss, ``x += bias``, a skip added after two blocks) would read the wrong values, and
 nothing at run time can see a read. The profile can: its run without checkpointing
 records every forward op that reads a block's output outside the next block
-(``Profile.unchained``). A segment never goes on past such a block (``Costs.chained``):
-it may end there, and the rest of the chain still gets segments of its own.
+(``Profile.unchained``). Such a block is never inside a segment (``Costs.chained``), and
+the rest of the chain still gets segments of its own. Not even as a segment's last block:
+the read may be an in-place write (``x += bias`` in the parent), and a segment whose
+output is written after it holds one output more than the walk (NOTE [Inputs written in
+place inside a segment]); the profile does not tell a read from a write there.
 """
 
 from __future__ import annotations
@@ -126,8 +129,8 @@ class Costs:
     segmentable: np.ndarray | None = None
     """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
     chained: np.ndarray | None = None
-    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so a
-    segment may go on past it; None: every one."""
+    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
+    may be inside a segment; None: every one."""
 
 
 def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
@@ -230,9 +233,9 @@ class _Recursion:
         # span_ok[s, e]: blocks s..e-1 may form a segment (none of them writes its input)
         barred = np.concatenate([[0], np.cumsum(~c.segmentable if c.segmentable is not None else np.zeros(n, bool))])
         self.span_ok = barred[None, :] == barred[:, None]
-        if c.chained is not None:  # and blocks s..e-2 hand their output to the next block only
+        if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
-            self.span_ok[:, 1:] &= cut[None, :-1] == cut[:, None]
+            self.span_ok &= cut[None, :] == cut[:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
         self.csum, self.held = self._leftovers(c, up, down)
@@ -370,7 +373,7 @@ def costs_of(profile: Profile) -> Costs | None:
     ch = chain_of(profile)
     if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
         return None
-    chained = np.array([b not in profile.unchained for b in ch.blocks])
+    chained = np.array([b not in profile.unchained for b in ch.blocks[:-1]] + [True])  # the last one feeds the head
     by_name = {b.name: b for b in profile.blocks}
     out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)
     holds = np.zeros((len(ch.blocks), len(ch.policies)), dtype=bool)
