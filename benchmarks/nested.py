@@ -6,6 +6,7 @@ error, the number of nested segments, and the step-time ratio against no checkpo
 nested floor, with the one-level floor and the every-block-full point among them. Run:
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9] [--at 58.7]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv-flat   # the same, single layers
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vit --set layers=6 --set batch=2
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2 --fine   # also policy full-fine
@@ -43,6 +44,12 @@ def _setup(name: str, options: dict[str, int]) -> tuple[str, nn.Module, Any, Any
     if name == "conv":
         torch.manual_seed(0)
         return ("conv chain (stem + 8 conv-BN-ReLU, 64 ch, 64x64, batch 8)", conv_chain(),
+                torch.randn(8, 3, 64, 64), None)
+    if name == "conv-flat":  # the same chain as rotor takes it: one flat Sequential of single layers
+        torch.manual_seed(0)
+        flat = nn.Sequential(*(layer for block in conv_chain() for layer in (block if isinstance(block, nn.Sequential)
+                                                                             else [block])))
+        return ("conv chain written flat (25 single layers, 64 ch, 64x64, batch 8)", flat,
                 torch.randn(8, 3, 64, 64), None)
     from remat.zoo import build
 

@@ -26,6 +26,15 @@ next block gets its first element, and the later blocks, called with that elemen
 return the segment's output in the same shape (``(hidden, None, ...)``). A tuple
 with another tensor in it (attention weights, T5's position bias) is not: remat
 cannot tell whether the parent uses that tensor, so the segment refuses to run.
+
+NOTE [Buffers of a block a segment runs]
+A region watches the buffers of every module entered in its forward, seen by a global
+forward pre-hook (NOTE [What recomputation must not repeat] in remat.core._region).
+A segment calls its blocks' forwards directly (their module calls are the head and
+skips above), so a block that owns buffers itself (a lone BatchNorm of a flat
+``Sequential``) would not be entered: its running statistics were updated again by
+every recomputation. The segment enters such a block for the global pre-hooks before
+running it; blocks whose buffers sit in submodules are entered by those calls.
 """
 
 from __future__ import annotations
@@ -53,6 +62,29 @@ def _version(value: Any) -> int | None:
 
 def _same(value: Any, seen: Any, version: int | None) -> bool:
     return value is seen and _version(value) == version
+
+
+def _global_pre_hooks() -> dict:
+    return getattr(nn.modules.module, "_global_forward_pre_hooks", {})
+
+
+class _Entered:
+    """A block that owns buffers, run inside a segment as a call of it is seen (NOTE [Buffers of a block a
+    segment runs])."""
+
+    def __init__(self, module: nn.Module, compute: Any) -> None:
+        self.module = module
+        self.compute = compute
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for hook in tuple(_global_pre_hooks().values()):
+            hook(self.module, args)
+        return self.compute(*args, **kwargs)
+
+
+def _block_item(module: nn.Module) -> Any:
+    compute = _compute(module)
+    return _Entered(module, compute) if any(b is not None for b in module._buffers.values()) else compute
 
 
 def _compute(module: nn.Module) -> Any:
@@ -161,7 +193,7 @@ def _items(modules: list[nn.Module], spans: list[tuple[int, int]], lo: int, hi: 
             items.append(_Run(_items(modules, spans, a, b)))
             i = b + 1
         else:
-            items.append(_compute(modules[i]))
+            items.append(_block_item(modules[i]))
             i += 1
     return items
 

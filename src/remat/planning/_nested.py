@@ -59,6 +59,18 @@ take 0.16 + 0.04 s for 24 blocks, 0.7 + 0.3 s for 48, 1.2 + 0.7 s for 64, 4.9 + 
 ``MAX_BLOCKS`` blocks (the tables then hold about 170 MB), and by ``remat.plan`` only below the
 one-level floor.
 
+NOTE [Who frees a shared output]
+A block's output is often saved both by the block (a ReLU keeps its output) and by
+the next (a Conv keeps its input): in the uniform run of a policy the next block's
+backward then leaves it alive, and the block's own backward frees it, so a block's
+forward plus backward delta depends on its neighbour's policy (``Costs.holds``). The
+DP bounds what the blocks after s leave at s's backward by the most, per block, of
+its delta with that sharing moved to the block that holds the output (``held``), and
+adds block s's own share for its policy. Taking the most of the raw deltas per block
+instead counted each shared output twice on a flat chain (Conv, BatchNorm, ReLU
+as single layers): one more output per three layers, so no time table fitted below
+the baseline while the floor was a fifth of it.
+
 NOTE [What the parent does with a block's output]
 A segment hands the parent, for each of its blocks but the last, the segment's output
 (``remat.core._segment``): right only when the parent does nothing with a block's
@@ -66,7 +78,11 @@ output but pass it to the next block. Reading it (``hidden.append(x)`` summed in
 loss, ``x += bias``, a skip added after two blocks) would read the wrong values, and
 nothing at run time can see a read. The profile can: its run without checkpointing
 records every forward op that reads a block's output outside the next block
-(``Profile.unchained``). Where there is any, the model gets no nested plans.
+(``Profile.unchained``). Such a block is never inside a segment (``Costs.chained``), and
+the rest of the chain still gets segments of its own. Not even as a segment's last block:
+the read may be an in-place write (``x += bias`` in the parent), and a segment whose
+output is written after it holds one output more than the walk (NOTE [Inputs written in
+place inside a segment]); the profile does not tell a read from a write there.
 """
 
 from __future__ import annotations
@@ -112,6 +128,9 @@ class Costs:
     """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
     segmentable: np.ndarray | None = None
     """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
+    chained: np.ndarray | None = None
+    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
+    may be inside a segment; None: every one."""
 
 
 def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
@@ -214,9 +233,12 @@ class _Recursion:
         # span_ok[s, e]: blocks s..e-1 may form a segment (none of them writes its input)
         barred = np.concatenate([[0], np.cumsum(~c.segmentable if c.segmentable is not None else np.zeros(n, bool))])
         self.span_ok = barred[None, :] == barred[:, None]
+        if c.chained is not None:  # and hand their output to the next block only
+            cut = np.concatenate([[0], np.cumsum(~c.chained)])
+            self.span_ok &= cut[None, :] == cut[:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
-        self.csum = np.concatenate([[0], np.cumsum(up((ch.fwd_delta + ch.bwd_delta).max(axis=1)))])
+        self.csum, self.held = self._leftovers(c, up, down)
         self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
         # kept[s, e], peak[s, e]: live bytes left and most reached by blocks s..e-1 run saving nothing;
         # refwd[s, e]: their forward time but the last block's (a segment's recomputation before its tail).
@@ -229,6 +251,19 @@ class _Recursion:
                 live += int(self.FD[k, f]) - (int(out[k - 1]) if k > s else 0)
                 self.kept[s, k + 1], self.peak[s, k + 1] = live, top
                 self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
+
+    @staticmethod
+    def _leftovers(c: Costs, up: Callable[[Any], np.ndarray],
+                   down: Callable[[Any], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(csum, held): csum[e] - csum[s], at most what blocks s..e-1 leave after their forward and backward,
+        under any policies; held[s, j]: what block s under policy j adds to what the next block leaves (its
+        output, which it holds until its own backward: NOTE [Who frees a shared output])."""
+        ch, n, P = c.chain, len(c.chain.blocks), c.chain.fwd_delta.shape[1]
+        holds = c.holds if c.holds is not None else np.zeros((n, P), dtype=bool)
+        held = up(c.out)[:, None] * holds
+        net = up(ch.fwd_delta) + up(ch.bwd_delta) + held
+        net[1:] -= down(c.out)[:-1, None] * holds[:-1]
+        return np.concatenate([[0], np.cumsum(net.max(axis=1))]), held
 
     def _fill_all(self) -> None:
         n = len(self.c.chain.blocks)
@@ -270,7 +305,8 @@ class _Tables(_Recursion):
             return
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
         rest = self.cost[top][s + 1, e]
-        ok = (m[None, :] >= self.FP[s, :, None]) & (m[None, :] >= (self.FD[s] + after + self.BP[s])[:, None])
+        ok = (m[None, :] >= self.FP[s, :, None]) & (
+            m[None, :] >= (self.FD[s] + after + self.held[s] + self.BP[s])[:, None])
         ok &= (self.inside | top)[:, None]
         by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
         options = [np.where(ok, by_policy, np.inf)]
@@ -335,9 +371,9 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
 def costs_of(profile: Profile) -> Costs | None:
     """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
     ch = chain_of(profile)
-    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS or set(profile.unchained) & set(
-            ch.blocks[:-1]):
+    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
         return None
+    chained = np.array([b not in profile.unchained for b in ch.blocks[:-1]] + [True])  # the last one feeds the head
     by_name = {b.name: b for b in profile.blocks}
     out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)
     holds = np.zeros((len(ch.blocks), len(ch.policies)), dtype=bool)
@@ -352,7 +388,7 @@ def costs_of(profile: Profile) -> Costs | None:
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
     segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable)
+    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained)
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:

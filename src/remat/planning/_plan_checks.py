@@ -105,4 +105,16 @@ def check_plan_fits(model: nn.Module, plan: Any) -> None:
         )
     _refuse_root(plan.assignment, "remat.apply: the plan")
     check_disjoint(list(plan.assignment), api="remat.apply:")
-    check_block_modules(model, plan.checkpointed, api="remat.apply")
+    in_segments = _in_segments(plan)
+    check_block_modules(model, [b for b in plan.checkpointed if b not in in_segments], api="remat.apply")
+
+
+def _in_segments(plan: Any) -> set[str]:
+    """Blocks inside the plan's nested segments: a lone layer there is recomputed with the run around it."""
+    order = list(plan.assignment)
+    index = {n: i for i, n in enumerate(order)}
+    inside: set[str] = set()
+    for first, last in plan.segments:
+        if first in index and last in index:
+            inside.update(order[index[first]:index[last] + 1])
+    return inside

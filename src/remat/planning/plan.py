@@ -380,8 +380,11 @@ def _nested(profile: Profile, limit: int, minimum: int) -> Plan | None:
     if found is None:
         return None
     assignment, segments, peak, extra = found
+    # in the order blocks run: a segment's range is read from it (remat.core._segment), and a U-Net's blocks
+    # run in another order than they are registered in
+    order = dict.fromkeys([*(k[1] for k in profile.fwd_order if k[1] is not None), *(b.name for b in profile.blocks)])
     return Plan(
-        assignment={b.name: assignment.get(b.name, "keep") for b in profile.blocks},
+        assignment={name: assignment.get(name, "keep") for name in order},
         predicted_peak_bytes=peak,
         predicted_overhead=extra / profile.step_time_s if profile.step_time_s > 0 else 0.0,
         baseline_peak_bytes=profile.baseline_peak_bytes,

@@ -1,9 +1,20 @@
 """Finding the checkpointing units ("blocks") of a model.
 
-A block is a child of a container whose children repeat (at least two non-leaf
-children of the same class): transformer layers in a ``ModuleList``, ResNet
-stages and their bottlenecks, the seed CNN's ``Sequential`` blocks. Leaves (a
-lone Linear, a ReLU) are never blocks: checkpointing one rarely pays.
+NOTE [Units]
+A unit is a module the model calls, found from the top down: on each path the
+top-most level whose callable children repeat (at least two non-leaf children of
+the same class: transformer layers, ResNet stages and their bottlenecks, the seed
+CNN's ``Sequential`` blocks), else the top-most level with two or more non-leaf
+children in lists (a U-Net's unique down and up blocks, with the mid block beside
+them). A ``ModuleList`` or ``ModuleDict`` is seen through (never called, never a
+unit). In a ``Sequential`` the layers between its units are units too, so the run
+of units stays a chain the nested planner can cut into segments. A model where no
+level has either (a flat ``Sequential`` of Linear, GELU, ...; a ``ModuleList`` of
+Linears) has the layers of its top-most chain or list as units, one layer each.
+Checkpointing a lone layer alone saves nothing (its own backward keeps its input):
+the profile measures that and the planner keeps it, but in a run of layers it can
+sit inside a nested segment, which is how a flat chain reaches the same floor as
+the chain written in blocks.
 """
 
 from __future__ import annotations
@@ -23,12 +34,40 @@ def _is_leaf(module: nn.Module) -> bool:
     return next(module.children(), None) is None
 
 
+def _is_list(module: nn.Module) -> bool:
+    """A container its parent loops over or indexes: never called itself, so never a unit."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def _callable_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
+    """(name, child, listed) for the children ``module`` can call, ``ModuleList``/``ModuleDict`` children seen
+    through (their items, ``listed``: one of a list, as are a ``Sequential``'s children)."""
+    found = []
+    for name, child in module.named_children():
+        if _is_list(child):
+            found.extend((n, c, True) for n, c, _ in _callable_children(child, f"{prefix}{name}."))
+        else:
+            found.append((f"{prefix}{name}", child, isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))))
+    return found
+
+
 def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    children = [(n, c) for n, c in module.named_children() if not _is_leaf(c)]
-    counts = Counter(type(c) for _, c in children)
-    if not any(k >= 2 for k in counts.values()):
+    """The units at this level (NOTE [Units]): repeated non-leaf children (with every non-leaf child of a
+    chain), else two or more non-leaf children of lists (a U-Net's unique stages) with their siblings."""
+    children = _callable_children(module)
+    inner = [(n, c, listed) for n, c, listed in children if not _is_leaf(c)]
+    counts = Counter(type(c) for _, c, _ in inner)
+    if any(k >= 2 for k in counts.values()):
+        picked = {n for n, c, listed in inner if counts[type(c)] >= 2 or listed}
+    elif sum(listed for _, _, listed in inner) >= 2:
+        picked = {n for n, _, _ in inner}
+    else:
         return []
-    return [(n, c) for n, c in children if counts[type(c)] >= 2 or isinstance(module, (nn.Sequential, nn.ModuleList))]
+    names = [n for n, _, _ in children]
+    if isinstance(module, nn.Sequential):  # a chain: the layers between its units are units too
+        first, last = min(names.index(n) for n in picked), max(names.index(n) for n in picked)
+        picked |= set(names[first:last + 1])
+    return [(n, c) for n, c, _ in children if n in picked]
 
 
 def _level(module: nn.Module, prefix: str) -> list[str]:
@@ -40,6 +79,19 @@ def _level(module: nn.Module, prefix: str) -> list[str]:
     for name, child in module.named_children():
         found.extend(_level(child, f"{prefix}{name}."))
     return found
+
+
+def _flat(module: nn.Module, prefix: str) -> list[str]:
+    """Units of a model with no repeated blocks: the layers of the top-most chain or list of two or more
+    (a flat ``Sequential`` of Linear, GELU, ...; a ``ModuleList`` of Linears)."""
+    children = _callable_children(module)
+    if len(children) >= 2 and all(listed for _, _, listed in children):
+        return [f"{prefix}{n}" for n, _, _ in children]
+    for name, child in module.named_children():
+        found = _flat(child, f"{prefix}{name}.")
+        if found:
+            return found
+    return []
 
 
 def _refine(model: nn.Module, names: list[str]) -> list[str]:
@@ -83,7 +135,7 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> 
     mode = blocks or "auto"
     if mode not in ("auto", "coarse", "fine"):
         raise RematError(f"remat.profile: blocks={mode!r}; use 'auto', 'coarse', 'fine' or a list of module names.")
-    names = _level(model, "")
+    names = _level(model, "") or _flat(model, "")
     if mode == "coarse":
         return names
     while True:

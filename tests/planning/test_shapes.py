@@ -1,0 +1,189 @@
+"""Any shape gets a plan: flat chains, layer lists and U-Nets (NOTE [Units] in remat.profiling._blocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.profiling._blocks import find_blocks
+from conftest import assert_buffers_equal, assert_grads_equal, twin
+
+BATCH = 256
+
+
+def flat_mlp():
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(32, 32), nn.GELU()]
+    return nn.Sequential(*layers), torch.randn(BATCH, 32), None
+
+
+def flat_conv_chain():
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1)]
+    for _ in range(9):
+        layers += [nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)]
+    return nn.Sequential(*layers[:27]), torch.randn(2, 3, 16, 16), None
+
+
+class LayerList(nn.Module):
+    """Linears in a ModuleList, a tanh between them in the parent's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def layer_list():
+    return LayerList(), torch.randn(BATCH, 32), None
+
+
+def alternating():
+    mods: list[nn.Module] = []
+    for _ in range(4):
+        mods += [nn.Sequential(nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 32)]
+    return nn.Sequential(*mods), torch.randn(BATCH, 32), None
+
+
+def _sample(o):
+    return o.sample.float().sum()
+
+
+def unet2d():
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=4, attention_head_dim=4)
+    return model, {"sample": torch.randn(2, 3, 8, 8), "timestep": torch.tensor([3, 7])}, _sample
+
+
+def unet2d_condition():
+    diffusers = pytest.importorskip("diffusers")
+    model = diffusers.UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=4)
+    inputs = {"sample": torch.randn(2, 4, 8, 8), "timestep": torch.tensor([3, 7]),
+              "encoder_hidden_states": torch.randn(2, 5, 8)}
+    return model, inputs, _sample
+
+
+MODELS = {"flat-mlp": flat_mlp, "flat-conv": flat_conv_chain, "layer-list": layer_list,
+          "alternating": alternating, "unet2d": unet2d, "unet2d-condition": unet2d_condition}
+
+
+def _train_step(model, inputs, loss_fn, seed=0):
+    torch.manual_seed(seed)
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    (loss_fn(out) if loss_fn else out.sum()).backward()
+
+
+def test_units_of_flat_chains_lists_and_u_nets():
+    assert find_blocks(flat_mlp()[0]) == [str(i) for i in range(16)]
+    assert find_blocks(flat_conv_chain()[0]) == [str(i) for i in range(27)]
+    assert find_blocks(layer_list()[0]) == [f"layers.{i}" for i in range(8)]
+    assert find_blocks(alternating()[0], "coarse") == [str(i) for i in range(7)]  # the Linears between are units
+    unet = unet2d()[0]
+    coarse = find_blocks(unet, "coarse")
+    assert coarse == ["time_embedding", "down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1", "mid_block"]
+    modules = dict(unet.named_modules())
+    assert not any(isinstance(modules[n], nn.ModuleList) for n in find_blocks(unet))  # a list is never called
+
+
+def test_a_lone_layer_named_by_hand_is_still_refused():
+    # Decided: units found automatically may be lone layers (the planner keeps them where checkpointing them
+    # alone saves nothing), but a list that names one by hand gets the error that says why it saves nothing.
+    model, x, _ = flat_mlp()
+    with pytest.raises(remat.RematError, match="lone Linear"):
+        remat.profile(model, x, blocks=["0", "2"])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_shape_gets_a_plan_that_holds_and_trains_the_same(name):
+    torch.manual_seed(0)
+    model, inputs, loss_fn = MODELS[name]()
+    ref, keys = twin(model), list(model.state_dict())
+    prof = remat.profile(model, inputs, loss_fn, repeat=1, warmup=0)
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    # 0.5 of the baseline, or the lowest peak any plan reaches where that is higher (params and gradients)
+    budget = max(int(0.5 * prof.baseline_peak_bytes), floor)
+    plan = remat.plan(prof, budget)
+    remat.apply(model, plan)
+    try:
+        _train_step(model, inputs, loss_fn)
+        _train_step(ref, inputs, loss_fn)
+        assert_grads_equal(ref, model)
+        assert_buffers_equal(ref, model)
+        assert list(model.state_dict()) == keys
+        model.zero_grad(set_to_none=True)
+        measured = remat.measure(model, inputs, loss_fn, repeat=1, warmup=0).peak_bytes
+    finally:
+        remat.remove(model)
+    assert measured <= budget, (name, measured, budget, plan.summary())
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (name, plan.predicted_peak_bytes, measured)
+    if name != "layer-list":  # its tanh runs in the parent between the Linears: no unit holds a saving
+        # the lowest peak leaves at most 60% of what the step holds beyond its resting bytes and gradients
+        fixed = prof.resting_bytes + prof.grad_bytes
+        assert floor - fixed < 0.6 * (prof.baseline_peak_bytes - fixed) and plan.checkpointed, (name, floor, fixed)
+    if name in ("flat-mlp", "flat-conv", "alternating"):
+        assert plan.segments, plan.summary()  # runs of single layers as nested segments
+
+
+@pytest.mark.parametrize("name", ["flat-mlp", "flat-conv", "layer-list", "alternating"])
+def test_the_doctor_is_quiet_on_these_models_without_checkpointing(name):
+    model, inputs, loss_fn = MODELS[name]()
+    report = remat.doctor(model, inputs, loss_fn, measure_cost=False, warmup=0, repeat=1)
+    assert report.ok and not report.findings, report.findings
+
+
+def test_a_flat_conv_chain_reaches_the_floor_of_the_same_chain_written_as_blocks():
+    torch.manual_seed(0)
+    flat, x, _ = flat_conv_chain()
+    blocks = nn.Sequential(flat[0], *(nn.Sequential(*flat[i:i + 3]) for i in range(1, 25, 3)), flat[25], flat[26])
+    floors = [remat.plan(remat.profile(m, x, repeat=1, warmup=0), strategy="none").min_peak_bytes
+              for m in (flat, blocks)]
+    assert floors[0] <= floors[1], floors
+
+
+class MidSkip(nn.Module):
+    """A layer list whose parent also reads block 3's output (a skip to the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            mid = x if i == 3 else (mid if i > 3 else None)
+        return x + mid
+
+
+def test_segments_leave_out_a_block_the_parent_reads_and_the_rest_still_nests():
+    # The parent reads block 3's output twice: no segment holds it, but the blocks on either side still nest
+    # (before: one such block left the whole model without nested plans).
+    torch.manual_seed(0)
+    model, x = MidSkip(), torch.randn(BATCH, 32)
+    ref = twin(model)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    assert prof.unchained == ("layers.3",)
+    plan = remat.plan(prof, remat.plan(prof, strategy="none").min_peak_bytes)
+    order = [b.name for b in prof.blocks]
+    spans = [(order.index(a), order.index(b)) for a, b in plan.segments]
+    assert spans and all(b < 3 or a > 3 for a, b in spans), plan.segments
+    remat.apply(model, plan)
+    try:
+        _train_step(model, x, None)
+        measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+    finally:
+        remat.remove(model)
+    _train_step(ref, x, None)
+    assert_grads_equal(ref, model)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured
