@@ -146,3 +146,15 @@ def test_the_checks_see_circles_and_upward_imports_inside_functions(tmp_path):
     assert g["remat.cli.c"] == {"remat.core.a"}
     assert find_circle(g) == ["remat.core.a", "remat.core.b", "remat.core.a"]
     assert upward(g) == ["remat.core.d (core) imports remat.cli.c (cli)"]
+
+
+def test_no_issue_numbers_in_the_code():
+    """NOTE blocks state rules and reasons; an issue number goes stale (history lives in git)."""
+    import re
+
+    pattern = re.compile(r"\b[Ii]ssue ?#?\d+|(?<![\w&])#\d{2,}\b")
+    src = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
+    found = [f"{path.relative_to(src)}:{n}" for path in sorted(src.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if pattern.search(line) and "torch issue" not in line and "pytorch/issues" not in line]
+    assert not found, found

@@ -61,7 +61,7 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def op_level_selective() -> Iterator[None]:
-    """Within: "selective" runs op-level on every call, as before #16 (the H100 ground truth's selective
+    """Within: "selective" runs op-level on every call (the H100 ground truth's selective
     rows were measured so; they are compared with profiles made this way until re-measured on a GPU)."""
     _local.op_level = getattr(_local, "op_level", 0) + 1
     try:

@@ -205,7 +205,7 @@ class Stacked:
     """Re-enterable composition of context managers (torch reuses the recompute context).
 
     Entered and left by hand, not through an ExitStack: it runs twice per block call,
-    where every microsecond of host time shows on a fast GPU (issue #16).
+    where every microsecond of host time shows on a fast GPU.
     """
 
     def __init__(self, *contexts: Any) -> None:

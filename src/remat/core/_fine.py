@@ -1,4 +1,4 @@
-"""The ``full-fine`` policy: a block recomputed whole, its sub-layers checkpointed inside (issue #19).
+"""The ``full-fine`` policy: a block recomputed whole, its sub-layers checkpointed inside.
 
 NOTE [Why a recomputed block's sub-layers are checkpointed too]
 With every block ``full``, what is left of a transformer's peak (GPT-2, Llama in the

@@ -40,7 +40,7 @@ every op again.
 
 Where the checkpointed callable is a module's forward, later forwards also go
 without the module-wide forward pre-hook that finds the modules entered: every
-submodule call would pay for it (issue #16: host time per block call shows on
+submodule call would pay for it (host time per block call shows on
 fast GPUs). The modules with buffers that the first call entered, and every one
 under the checkpointed module, are watched from the start of the forward
 instead; the values copied there are the ones the recomputation must start

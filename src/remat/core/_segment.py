@@ -1,4 +1,4 @@
-"""Nested checkpoint regions over runs of consecutive blocks (nested plans, issue #19).
+"""Nested checkpoint regions over runs of consecutive blocks (nested plans).
 
 NOTE [How a run of blocks becomes one region]
 A nested plan checkpoints a run of consecutive blocks as one segment: only the

@@ -1,4 +1,4 @@
-"""Nested plans: checkpointed runs of blocks with a plan of their own inside (issue #19).
+"""Nested plans: checkpointed runs of blocks with a plan of their own inside.
 
 NOTE [The nested peak model]
 A segment [s, e) is checkpointed as one region (``remat.core._segment``). In forward

@@ -1,4 +1,4 @@
-"""Nested plans for a profile: the floor, and the fastest plan within a budget (issue #19).
+"""Nested plans for a profile: the floor, and the fastest plan within a budget.
 
 NOTE [The floor without a grid]
 The least peak of any nested plan is the least budget at which the DP of NOTE [The

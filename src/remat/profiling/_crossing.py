@@ -7,7 +7,7 @@ depends on its own block's policy only, which fails for a tensor whose lifetime
 depends on *other* blocks' policies: a mask or bias built in forward and given to
 every block, which kept blocks do not save (an ``add``) while checkpointed blocks
 hold it among their inputs until their backward. Composed from segments, such a
-tensor is freed twice or never (measured: +8% on a shared-bias MLP, issue #21).
+tensor is freed twice or never (a shared-bias MLP under-predicted by 8%).
 
 A block's recomputation can also run outside its own backward: when one of its
 outputs feeds the loss directly (an auxiliary loss, deep supervision), that output's
