@@ -326,6 +326,22 @@ def test_blocks_returning_another_tensor_beside_the_hidden_state_are_refused():
     remat.remove(model)
 
 
+def test_plan_offers_no_segment_over_blocks_returning_another_tensor():
+    # transformers 4.x's BERT layers return (hidden, attention weights): remat.plan must not offer a
+    # segment that remat.apply then refuses at the first step
+    model, x = _TupleLoop(extra=True), torch.randn(8, 16)
+    prof = remat.profile(model, x, lambda out: out[0].square().mean(), repeat=1, warmup=0)
+    assert set(prof.unchained) == {"layers.0", "layers.1", "layers.2"}  # the last one feeds the head
+    floor = remat.plan(prof, 1.0).min_peak_bytes  # without the fix: a nested floor below the one-level one
+    plan = remat.plan(prof, floor)
+    assert not plan.segments
+    remat.apply(model, plan)
+    try:
+        model(x)[0].sum().backward()
+    finally:
+        remat.remove(model)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_nested_plans_on_the_zoo_are_exact(name):
     from remat.planning._nested import costs_of, simulate, to_plan

@@ -367,6 +367,8 @@ class SegmentRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             occurrence = self._current.occurrence if self._current is not None else 0
             outs = tensors_in(output)
+            if len(outs) > 1:  # NOTE [Tuple hand-offs] in remat.core._segment: the parent may use the others
+                self.output_reads.setdefault(name, set()).add(None)
             self._note_outputs(name, occurrence, output)
             if self.tracker is not None:
                 self._outputs.update((st._cdata, name) for t in outs for st in storages(t))
