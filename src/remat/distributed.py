@@ -134,7 +134,7 @@ def auto(model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, gro
     rank 0). ``budget`` is per rank. Every rank of ``group`` must call it.
     """
     ddp = isinstance(model, DistributedDataParallel)
-    target = model.module if ddp else model
+    target = model.module if isinstance(model, DistributedDataParallel) else model  # narrows to DDP's module
     check_no_double_checkpointing(target, find_blocks(target, profile_options.get("blocks")),
                                   api="remat.distributed.auto")
     remove(target)

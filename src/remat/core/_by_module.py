@@ -115,8 +115,13 @@ class Structure:
 
     def live(self) -> list[tuple[nn.Module, Writes]] | None:
         """The region modules, or None when one of them is gone (learn again)."""
-        out = [(ref(), writes) for ref, writes in self.regions]
-        return None if any(m is None for m, _ in out) else out
+        out = []
+        for ref, writes in self.regions:
+            module = ref()
+            if module is None:
+                return None
+            out.append((module, writes))
+        return out
 
 
 @dataclass

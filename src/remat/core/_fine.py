@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from remat.core.checkpoint import unwrap, wrap
+from remat.core.checkpoint import _CheckpointedForward, unwrap, wrap
 
 __all__ = ["FINE", "inner_layers", "unwrap_fine", "wrap_fine"]
 
@@ -43,7 +43,10 @@ def wrap_fine(module: nn.Module) -> None:
         wrap(child, policy="full")
     # The block's checkpointed forward remembers which sub-layers it wrapped, so that undoing it leaves
     # sub-layers the user wrapped alone.
-    module.forward.fine_layers = tuple(layers)
+    forward = module.forward
+    if not isinstance(forward, _CheckpointedForward):
+        raise RuntimeError("wrap() installs remat's checkpointed forward")
+    forward.fine_layers = tuple(layers)
 
 
 def unwrap_fine(module: nn.Module) -> None:

@@ -260,7 +260,7 @@ class Region:
             key = storage_key(buf)
             if key not in self.watched:
                 self.watched[key] = buf
-                if not self.watches_ops:
+                if self.learned is not None and not self.learned.writes_inputs:  # as watches_ops, narrowed
                     self.entry_versions[key] = buf._version
                     expected = (id(module), name) in self.learned.written_buffers
                     if expected or buf.untyped_storage().nbytes() <= _SNAPSHOT_BYTES:

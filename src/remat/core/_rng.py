@@ -102,7 +102,7 @@ def generators_in_use() -> list[torch.Generator]:
     for name in ("cuda", "xpu"):
         backend = getattr(torch, name, None)
         initialised = getattr(backend, "is_initialized", None)
-        if initialised is not None and initialised():
+        if backend is not None and initialised is not None and initialised():
             generator = _default_generator(torch.device(name, backend.current_device()))
             if generator is not None:
                 found.append(generator)

@@ -46,8 +46,9 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -130,6 +131,7 @@ _READ_BY_NAME = frozenset({"function", "args", "kwargs", "use_reentrant", "conte
 
 
 def _torch_option_names() -> frozenset[str]:
+    params: Iterable[inspect.Parameter]
     try:
         params = inspect.signature(tuc.checkpoint).parameters.values()
     except (TypeError, ValueError):  # no signature to read: only the names remat knows
@@ -183,7 +185,8 @@ _PASS_THROUGH = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + o
 def _warn_reentrant() -> None:
     """Warn once per call site: the first frame outside remat and torch's checkpoint module (a call through
     torch's ``checkpoint_sequential`` is told at the caller's line)."""
-    frame, level = sys._getframe(1), 2  # level: the stacklevel that names ``frame``
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # the stacklevel that names ``frame``
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PASS_THROUGH):
         frame, level = frame.f_back, level + 1
     site = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("", 0)

@@ -182,6 +182,8 @@ def _run_checkpointed(
     phase = {"forward": True}
 
     def context_fn() -> tuple[Any, Any]:
+        fwd: Any
+        rec: Any
         if policy_fn is None:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
         else:
@@ -223,6 +225,8 @@ def _run_checkpointed(
     if nested:
         region.release_inputs()
     if recorder is not None:
+        if remember_structure is None:
+            raise RuntimeError("a structure recorder is made only beside its memo")
         structure = recorder.structure()
         remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
@@ -366,6 +370,7 @@ class _CheckpointedForward:
         self.previous = previous
         self.policy = policy
         self.preserve_rng_state = preserve_rng_state
+        self.fine_layers: tuple[nn.Module, ...] = ()  # the sub-layers ``wrap_fine`` wrapped inside it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The module's keywords are its forward's, all of them (a `debug=` of its own included).

@@ -132,12 +132,13 @@ def reentrant_fix(calls: Iterable[CheckpointCall]) -> str:
     return text[0].upper() + text[1:] + "."
 
 
+def _nonzero(grad: torch.Tensor | None) -> bool:
+    return grad is not None and bool(grad.any())
+
+
 def frozen(ref: StepRecord, ck: StepRecord) -> tuple[str, ...]:
     """Trainable parameters with a non-zero gradient without checkpointing and none (or zero) with it."""
-    return tuple(
-        n for n, g in ref.grads.items()
-        if g is not None and bool(g.any()) and (ck.grads.get(n) is None or not bool(ck.grads[n].any()))
-    )
+    return tuple(n for n, g in ref.grads.items() if _nonzero(g) and not _nonzero(ck.grads.get(n)))
 
 
 def check_frozen(ref: StepRecord, ck: StepRecord, params: tuple[str, ...]) -> list[Finding]:
@@ -146,8 +147,12 @@ def check_frozen(ref: StepRecord, ck: StepRecord, params: tuple[str, ...]) -> li
     modules = collapse(params, ref.grads)
     owners = {_owner(p) for p in params}
     causes = [c for c in ck.calls if c.reentrant and not c.inputs_require_grad and any(_inside(c, m) for m in owners)]
-    values = sum(ref.grads[p].numel() for p in params)
-    largest = max(float(ref.grads[p].abs().max()) for p in params)
+    grads = [ref.grads[p] for p in params]
+    present = [g for g in grads if g is not None]
+    if len(present) != len(grads):
+        raise RuntimeError("frozen parameters are those with a reference gradient")
+    values = sum(g.numel() for g in present)
+    largest = max(float(g.abs().max()) for g in present)
     message = (
         f"{len(params)} trainable parameters of {', '.join(modules)} ({values:,} values) get no gradient with "
         f"checkpointing but do without it (largest gradient without checkpointing: {largest:.3g}); they are not trained."
@@ -286,7 +291,10 @@ def check_buffers(ref: StepRecord, ck: StepRecord, before: dict[str, torch.Tenso
     counters = [n for n in same_shape if not ref.buffers[n].is_floating_point() and before.get(n) is not None]
     detail = ""
     if counters:
-        start = before[counters[0]].to(ref.buffers[counters[0]].device)
+        first = before[counters[0]]
+        if first is None:
+            raise RuntimeError("counters are the buffers read before the step")
+        start = first.to(ref.buffers[counters[0]].device)
         r, c = (float((rec.buffers[counters[0]] - start).max()) for rec in (ref, ck))
         numbers |= {"advance_reference": r, "advance_checkpointed": c}
         detail = f": {counters[0]} advances by {c:g} per step instead of {r:g}"

@@ -37,6 +37,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -146,7 +147,7 @@ def _short(path: str) -> str:
 def _call_site() -> tuple[str, str]:
     """(``file:line`` of the user's frame or "" when there is none, the checkpoint API it went through)."""
     api = "torch.utils.checkpoint.checkpoint"
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         path = code.co_filename
@@ -270,7 +271,8 @@ class Interceptor:
         bound.apply_defaults()
         inputs = (bound.arguments.get("args", ()), bound.arguments.get("kwargs", {}))
         if self._remat is not None:  # torch sees remat's closure; the user's function is this one
-            fn, *inputs = self._remat
+            fn, remat_args, remat_kwargs = self._remat
+            inputs = (remat_args, remat_kwargs)
             self._remat = None
         call, plain = self.begin(fn, bound.arguments["preserve_rng_state"], tuple(inputs), reentrant=False, unset=False)
         if plain:

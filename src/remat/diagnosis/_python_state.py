@@ -66,7 +66,7 @@ _KNOWN: dict[type, tuple[str, ...]] = {
 _RECORDING_HOOKS = ("transformers.utils.output_capturing",)
 
 
-def _known(value: Any) -> type | None:
+def _known(value: Any) -> type[Any] | None:
     """The known container class whose methods read and refill ``value``; None: not one remat may touch."""
     cls = type(value)
     if cls in _KNOWN:
@@ -87,7 +87,7 @@ def summary(value: Any) -> Any:
     return value if kind is None else (type(value).__name__, kind.__len__(value))
 
 
-def _contents(kind: type, container: Any) -> list:
+def _contents(kind: type[Any], container: Any) -> list:
     """The items (a dict's (key, value) pairs), read through ``kind``'s own methods."""
     return list(kind.items(container)) if issubclass(kind, dict) else list(kind.__iter__(container))
 

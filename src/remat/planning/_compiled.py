@@ -67,7 +67,8 @@ class ChainFit:
 
     def predict(self, policies: Sequence[str], resting: int) -> int:
         """Predicted compiled peak of blocks under ``policies`` (in execution order)."""
-        return resting + self.margin + _peak_above(self.saved, self.during, self.left, self.head, policies)
+        # The fitted terms are whole bytes, so the sum is whole: round only makes it an int.
+        return resting + self.margin + round(_peak_above(self.saved, self.during, self.left, self.head, policies))
 
 
 def _peak_above(saved: dict, during: dict, left: float, head: float, policies: Sequence[str]) -> float:

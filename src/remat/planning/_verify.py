@@ -179,7 +179,7 @@ class _Candidates:
     def nested(self) -> bool:
         return self.findings.nested
 
-    def plan(self, budget: int) -> Plan:
+    def plan(self, budget: int | None) -> Plan:
         return make_plan(self.prof, budget, nested=self.nested)
 
     def lowest(self) -> Plan:
@@ -306,6 +306,8 @@ def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, ba
         return prof, baseline, "Not a chain of blocks: eager predictions scaled by the compiled peak."
     peaks = {a: measure(a) for a in design(prof.policies, len(names))}
     chained = chain_profile(prof, fit(peaks, prof.resting_bytes), label=f"compiled ({backend})")
+    if chained is None:
+        raise RuntimeError("chain_profile gave no profile for a chain")
     return chained, baseline, chained.notes[-1]
 
 
@@ -384,6 +386,8 @@ def _reference_first(candidates: _Candidates, limit: int) -> None:
         candidates.reference(candidates.plan(floor))
     except OutOfMemory:
         remove(candidates.model)
+        if candidates.reference_plan is None:
+            raise RuntimeError("reference() sets its plan before it runs a step") from None
         predicted = candidates.reference_plan.predicted_peak_bytes
         raise _unreachable(limit, prof, "eager", (
             f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "

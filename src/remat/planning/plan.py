@@ -194,6 +194,8 @@ def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None
     candidates = [safe] if safe is not None else []
     for credit in cast_credits(profile)[1:]:
         chain = chain_of(profile, credit)
+        if chain is None:  # the caller has a chain, and the credit does not change the blocks' order
+            raise RuntimeError("a profile whose blocks form a chain gave no chain view with a cast credit")
         found = solve(chain, limit)
         if found is not None:
             trial = {b: chain.policies[j] for b, j in zip(chain.blocks, found[0])}
@@ -279,10 +281,14 @@ def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
 def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
     names = [b.name for b in profile.blocks]
-    candidates = [{}] + [{n: p for n in names} for p in ("selective", "selective-ops", "full", "full-fine")
-                         if p in profile.policies]
+    candidates: list[dict[str, str]] = [{}]
+    candidates += [{n: p for n in names} for p in ("selective", "selective-ops", "full", "full-fine")
+                   if p in profile.policies]
     if chain is not None:
-        picks, _ = solve(chain, math.inf, minimise_peak=True)
+        lowest = solve(chain, math.inf, minimise_peak=True)
+        if lowest is None:
+            raise RuntimeError("minimising the peak with no budget found no plan")
+        picks, _ = lowest
         candidates.append({b: chain.policies[j] for b, j in zip(chain.blocks, picks)})
     return min(((profile.predict_peak(a), a) for a in candidates), key=lambda t: t[0])
 

@@ -96,12 +96,15 @@ def _free_position(c: Crossing, assignment: Mapping[str, str], position: Mapping
         key = c.freed.get(policy)
         return _NEVER if key is None else position.get(key, -1)
 
+    def policy_of(block: str | None) -> str:
+        return "keep" if block is None else assignment.get(block, "keep")
+
     if c.producer is not None:
-        latest = freed_in(assignment.get(c.producer[1], "keep"))
+        latest = freed_in(policy_of(c.producer[1]))
     else:
         latest = min(freed_in(p) for p in c.freed)
     for _, block, occurrence in c.receivers:
-        if assignment.get(block, "keep") == "keep":
+        if policy_of(block) == "keep":
             latest = max(latest, freed_in("keep"))
         else:
             latest = max(latest, position.get(("bwd", block, occurrence), -1))
@@ -250,14 +253,14 @@ def corrections(
         if r.swap and _swapped(r, mine, position, steps, out):
             continue
         for policy, key in r.at.items():
-            i = position.get(key)
-            if i is None:
+            at_index = position.get(key)
+            if at_index is None:
                 continue
-            taken_from = steps[i][1]
+            taken_from = steps[at_index][1]
             if taken_from == policy and policy != mine:  # the run recomputed it here, the assignment does not
-                out.setdefault(i, [0, 0, 0])[0] -= r.kept(policy)
+                out.setdefault(at_index, [0, 0, 0])[0] -= r.kept(policy)
             elif policy == mine and taken_from != mine:  # the assignment recomputes it here, that run did not
-                entry = out.setdefault(i, [0, 0, 0])
+                entry = out.setdefault(at_index, [0, 0, 0])
                 entry[0] += r.kept(policy)
                 entry[2] += max(r.excess[policy], 0)
     return {i: (d, e, x, base) for i, (d, e, x, *rest) in out.items() for base in [rest[0] if rest else None]}

@@ -260,34 +260,40 @@ class SegmentRecorder:
 
     def _crossing_ids(self, block: str, occurrence: int, side: str, value: Any) -> list[tuple]:
         """Identities of the tracked storages in ``value``, by first sighting (stable across runs)."""
+        tracker = self.tracker
+        if tracker is None:
+            raise RuntimeError("crossing storages are identified only with a storage tracker")
         keys = dict.fromkeys(st._cdata for t in tensors_in(value) for st in storages(t))
         out = []
-        for j, key in enumerate(k for k in keys if k in self.tracker.live):
+        for j, key in enumerate(k for k in keys if k in tracker.live):
             made = self._made.pop(key, None)
             if made is not None:
                 del self.crossings[made]
             ident = self._crossing_of.get(key)
             if ident is None:
                 ident = self._crossing_of[key] = (block, occurrence, side, j)
-                self.crossings[ident] = {"nbytes": self.tracker.live[key], "producer": None, "receivers": [],
+                self.crossings[ident] = {"nbytes": tracker.live[key], "producer": None, "receivers": [],
                                          "freed": None, "after": 0}
             out.append(ident)
         return out
 
     def _note_made(self, seg: Segment, out: Any) -> None:
         """Every storage a block's forward makes, by order of making (stable across runs)."""
+        tracker, block = self.tracker, seg.block
+        if tracker is None or block is None:
+            raise RuntimeError("made storages are noted only for a block's forward, with a storage tracker")
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
             for st in storages(t):
                 key = st._cdata
                 seen = key in self._made or key in self._crossing_of or key in self._casts
-                if seen or not self.tracker.live.get(key):
+                if seen or not tracker.live.get(key):
                     continue
-                j = self._made_count.get((seg.block, seg.occurrence), 0)
-                self._made_count[(seg.block, seg.occurrence)] = j + 1
-                ident = self._made[key] = (seg.block, seg.occurrence, "made", j)
-                self.crossings[ident] = {"nbytes": self.tracker.live[key], "producer": seg.key, "receivers": [],
+                j = self._made_count.get((block, seg.occurrence), 0)
+                self._made_count[(block, seg.occurrence)] = j + 1
+                ident = self._made[key] = (block, seg.occurrence, "made", j)
+                self.crossings[ident] = {"nbytes": tracker.live[key], "producer": seg.key, "receivers": [],
                                          "freed": None, "after": 0}
 
     def _crossing_freed(self, key: int) -> None:
@@ -309,21 +315,23 @@ class SegmentRecorder:
             record["after"] = max(record["after"], relative)
 
     def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, seconds: float) -> None:
-        seg = self._current
+        seg, tracker = self._current, self.tracker
         if seg is None:
             return
+        if tracker is None:
+            raise RuntimeError("op callbacks come only from a storage tracker")
         # NOTE [Workspace no tensor owns] in remat.profiling._workspace: live only inside the op
         extra = self.workspace(func, args, kwargs, out) if self.workspace is not None else 0
         if self.allocator is None:  # else the allocator's peak, read when the segment closes
-            self._top(seg, self.tracker.current + extra)
+            self._top(seg, tracker.current + extra)
         live = self._live()
         self._raise_after(live + extra - seg.start_live)
         if self._recomputing is not None:
             self._recomputing[2] = max(self._recomputing[2], live + extra)
         if self._trajectory is not None:
-            if self._recomputing is None and self.tracker.made != self._made_seen:
+            if self._recomputing is None and tracker.made != self._made_seen:
                 self._allocs += 1
-            self._made_seen = self.tracker.made
+            self._made_seen = tracker.made
             self._trajectory.append((self._allocs, live - seg.start_live, live + extra - seg.start_live))
         if func is _TO_COPY and _weight_cast(args[0], out):  # autocast's cache: its own account (_casts)
             for st in storages(out):
@@ -355,7 +363,10 @@ class SegmentRecorder:
     def _pre_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.begin("fwd", name)
-            self._note_inputs(name, self._current.occurrence, args, kwargs)
+            seg = self._current
+            if seg is None:
+                raise RuntimeError("begin() opens a segment")
+            self._note_inputs(name, seg.occurrence, args, kwargs)
             if self.tracker is not None:
                 self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
             if name not in self.io_bytes:
@@ -393,10 +404,15 @@ class SegmentRecorder:
         if event is None or event[0] is None or self.tracker is None or self._current is None:
             return
         block, begun, top, start, allocs, before = event
+        span = None
+        if start is not None:
+            if self._trajectory is None:
+                raise RuntimeError("a recomputation began on a trajectory that is gone")
+            span = (start, len(self._trajectory))
         k = sum(1 for b, _ in self.recomputes if b == block)
         record = self.recomputes[(block, k)] = {
             "segment": self._current.key, "delta": self._live() - begun, "excess": max(top, self._live()) - begun,
-            "allocs": allocs, "span": None if start is None else (start, len(self._trajectory)), "frees": []}
+            "allocs": allocs, "span": span, "frees": []}
         for key in self.tracker.live.keys() - before:
             self._rebuilt[key] = record
 
