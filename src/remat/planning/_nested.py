@@ -167,6 +167,8 @@ def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], live: int,
     """Block k's backward as in ``policy``'s run, with its input freed where the plan frees it: that run's
     previous block may have kept it (then this block's delta does not free it) where the plan's does not."""
     ch = c.chain
+    if ch.bwd_delta is None:
+        raise RuntimeError("a nested view's chain has its backward deltas (remat.planning._solve.chain_profile)")
     top = max(top, live + int(ch.bwd_peak[k, policy]))
     live += int(ch.bwd_delta[k, policy])
     if k > 0 and c.holds is not None:
@@ -379,11 +381,12 @@ def costs_of(profile: Profile) -> Costs | None:
     holds = np.zeros((len(ch.blocks), len(ch.policies)), dtype=bool)
     index = {b: i for i, b in enumerate(ch.blocks)}
     for crossing in profile.crossings:  # a block's output: its size, and which runs freed it in its own backward
-        made_by = crossing.producer[1] if crossing.producer is not None else None
-        if made_by in index:
+        producer = crossing.producer
+        if producer is not None and producer[1] in index:
+            made_by = producer[1]
             k = index[made_by]
             out[k] = crossing.nbytes
-            holds[k] = [crossing.freed.get(p) == ("bwd", made_by, crossing.producer[2]) for p in ch.policies]
+            holds[k] = [crossing.freed.get(p) == ("bwd", made_by, producer[2]) for p in ch.policies]
     fwd = np.array([by_name[b].fwd_time_s for b in ch.blocks])
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])

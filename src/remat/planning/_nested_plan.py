@@ -93,9 +93,12 @@ def lowest_nested(c: Costs, high: int) -> tuple[int, tuple[Node, ...]] | None:
     fine = max(1, min(4, _FINE_CELLS // ((n + 1) ** 2 * GRID)))
     unit = max(1, -(-best[0] // (fine * GRID)))
     built = _tables_at(c, best[0] + 2 * n * unit, finest=best[0] // fine)
-    first = cell(built[0], c, best[0]) if built is not None else None
-    for head in range(first, built[1] + 1) if first is not None else ():
-        found = best_at(built[0], head)
+    if built is None:
+        return best[0], best[2]
+    tables, last = built
+    first = cell(tables, c, best[0])
+    for head in range(first, last + 1) if first is not None else ():
+        found = best_at(tables, head)
         if found is not None and found[1] < best[1] and simulate(c, found[0]) <= best[0]:
             best = (best[0], found[1], found[0])
     return best[0], best[2]
@@ -115,9 +118,8 @@ def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     cached = profile.__dict__.get("_remat_nested_floor", False)
     if cached is False:
         c = costs_of(profile)
-        cached = None if c is None else lowest_nested(c, profile.baseline_peak_bytes)
-        if cached is not None:
-            cached = (_peak(profile, c, cached[1]), cached[1])
+        lowest = None if c is None else lowest_nested(c, profile.baseline_peak_bytes)
+        cached = None if c is None or lowest is None else (_peak(profile, c, lowest[1]), lowest[1])
         profile.__dict__["_remat_nested_floor"] = cached
     return cached
 
@@ -133,9 +135,10 @@ def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tup
     # plan fits wherever the floor does).
     fits = []
     built = _tables_at(c, int(limit * max(_SCALES)), finest=int(limit * min(_SCALES)))
-    for scale in _SCALES if built is not None else ():
-        head = cell(built[0], c, int(limit * scale))
-        trial = best_at(built[0], head) if head is not None else None
+    tables = built[0] if built is not None else None
+    for scale in _SCALES:
+        head = cell(tables, c, int(limit * scale)) if tables is not None else None
+        trial = best_at(tables, head) if tables is not None and head is not None else None
         if trial is not None and _peak(profile, c, trial[0]) <= limit:
             fits.append((trial[1], trial[0]))
     floor = nested_floor(profile)

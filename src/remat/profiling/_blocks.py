@@ -42,7 +42,7 @@ def _is_list(module: nn.Module) -> bool:
 def _callable_children(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
     """(name, child, listed) for the children ``module`` can call, ``ModuleList``/``ModuleDict`` children seen
     through (their items, ``listed``: one of a list, as are a ``Sequential``'s children)."""
-    found = []
+    found: list[tuple[str, nn.Module, bool]] = []
     for name, child in module.named_children():
         if _is_list(child):
             found.extend((n, c, True) for n, c, _ in _callable_children(child, f"{prefix}{name}."))
@@ -182,7 +182,7 @@ def check_block_modules(model: nn.Module, names: Iterable[str], *, api: str) -> 
 def _lone_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Non-leaf modules alone in a ModuleList / Sequential: how a model that shares one layer
     across depth (ALBERT) holds it; its forward calls that layer once per depth."""
-    found = []
+    found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         children = list(module.named_children())
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) == 1 and not _is_leaf(children[0][1]):
