@@ -207,3 +207,26 @@ def test_a_model_that_cannot_be_traced_is_told_why_and_left_as_it_was(cls, why):
         assert why in str(err.value) and "cannot cut its traced forward" in str(err.value)
         untouched.check()
         assert [n for n, _ in model.named_modules()] == [""]
+
+
+def test_one_trace_serves_profile_and_every_put_and_a_changed_attribute_traces_again(monkeypatch):
+    # a scalar: the peaks are under 1024 bytes, which a plan's budget takes as bytes (with their unit)
+    from remat.profiling import _traced_cut
+
+    traces = []
+    trace = _traced_cut.fx.symbolic_trace
+    monkeypatch.setattr(_traced_cut.fx, "symbolic_trace", lambda m: traces.append(m) or trace(m))
+    torch.manual_seed(0)
+    model, x = HeavyModel(), torch.tensor(0.5)
+    ref = twin(model)
+    plan = remat.auto(model, x, budget=0.5, warmup=0, repeat=1)
+    assert len(traces) == 1 and plan.baseline_peak_bytes < 1024
+    assert plan.measured_peak_bytes == plan.predicted_peak_bytes <= plan.budget_bytes
+    out_ref, gx_ref, _ = train_step(ref, x)
+    out, gx, _ = train_step(model, x)
+    assert torch.equal(out, out_ref) and torch.equal(gx, gx_ref)
+    assert_grads_equal(ref, model)
+    remat.remove(model)
+    model.loops = 12  # the forward's Python reads it: the kept trace no longer holds
+    names = [b.name for b in remat.profile(model, x, policies=("keep", "full"), warmup=0, repeat=1).blocks]
+    assert len(traces) == 2 and max(int(n.rsplit("_", 1)[1]) for n in names[:-1]) < 12 * 10

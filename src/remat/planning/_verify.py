@@ -180,7 +180,8 @@ class _Candidates:
         return self.findings.nested
 
     def plan(self, budget: int | None) -> Plan:
-        return make_plan(self.prof, budget, nested=self.nested)
+        # bytes with their unit: a small model's peak in bytes can be under 1024, which a unitless number is not
+        return make_plan(self.prof, None if budget is None else f"{int(budget)}B", nested=self.nested)
 
     def lowest(self) -> Plan:
         """The plan at the lowest peak any plan reaches (the nested floor while nesting)."""
@@ -244,8 +245,8 @@ class _Candidates:
             return self.findings.reference
         keep = replace(plan, assignment={name: "keep" for name in plan.assignment}, segments=())
         if self.limit is not None and self.prof.baseline_peak_bytes > self.limit:
-            keep = make_plan(self.prof, make_plan(self.prof, strategy="none", nested=False).min_peak_bytes,
-                             nested=False)
+            floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
+            keep = make_plan(self.prof, f"{floor}B", nested=False)
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({_policies(keep)})"
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "

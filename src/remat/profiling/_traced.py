@@ -32,42 +32,40 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from remat.errors import RematError
+from remat.profiling._traced_cut import (
+    MAX_SEGMENTS,
+    MIN_SEGMENT_OPS,
+    Traced,
+    TracedError,
+    _choose_cuts,
+    _is_value,
+    _signature,
+    _sizes,
+    traced,
+)
 
 __all__ = ["HOLDER", "MAX_SEGMENTS", "MIN_SEGMENT_OPS", "install_from_names", "is_traced_plan", "traced_units",
            "uninstall"]
 
 #: The attribute of the model that holds the segments while they are installed.
 HOLDER = "remat_traced"
-#: Most segments a traced forward is cut into (the nested planner's chain grows with it).
-MAX_SEGMENTS = 32
-#: Fewest ops a segment is cut to hold, where the forward has enough: a segment of one op keeps in
-#: backward what checkpointing it would keep (its input), so it saves nothing.
-MIN_SEGMENT_OPS = 4
 _PREFIX = "to_"
-
-
-class TracedError(RematError):
-    """A model's forward cannot be traced, or its trace cannot be cut into a chain."""
 
 
 class _Segment(nn.Module):
     """One segment: the Python fx writes for its graph, run with ``self`` this module; attributes it does not
     have come from the model (NOTE [Segments own nothing])."""
 
-    def __init__(self, model: nn.Module, graph: fx.Graph, consts: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, code: Callable, consts: dict[str, Any]) -> None:
         super().__init__()
-        code = graph.python_code(root_module="self")
-        scope = dict(code.globals)
-        exec(compile(code.src, "<remat traced segment>", "exec"), scope)  # noqa: S102 (fx's own code)
-        object.__setattr__(self, "_remat_code", scope["forward"])
+        object.__setattr__(self, "_remat_code", code)
         object.__setattr__(self, "_remat_owner", model)
         object.__setattr__(self, "_remat_consts", consts)
 
@@ -113,121 +111,6 @@ class _TracedForward:
         return carry
 
 
-# --- tracing --------------------------------------------------------------------------------------
-
-
-def _signature(model: nn.Module) -> inspect.Signature:
-    signature = inspect.signature(type(model).forward.__get__(model))
-    kinds = {p.kind for p in signature.parameters.values()}
-    if not signature.parameters or kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
-        raise TracedError("its forward takes no named inputs, or takes *args or **kwargs, which a traced forward "
-                          "cannot bind")
-    return signature
-
-
-def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dict[nn.Module, bool]]:
-    """The fx trace of ``model``'s class forward in ``training`` mode (None: its modes now), and those modes."""
-    if "forward" in model.__dict__:
-        raise TracedError("it has an instance-level forward (already wrapped or patched), not its class's")
-    before = {m: m.training for m in model.modules()}
-    try:
-        if training is not None:
-            model.train(training)
-        modes = {m: m.training for m in model.modules()}
-        return fx.symbolic_trace(model), modes
-    except fx.proxy.TraceError as exc:
-        raise TracedError(f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
-                          "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
-                          "express it)") from exc
-    except Exception as exc:  # whatever fx cannot run is the reason to tell
-        raise TracedError(f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
-                          "an untraceable op or Python on tensor values") from exc
-    finally:
-        for m, mode in before.items():
-            m.training = mode
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "no message"
-
-
-def _is_value(node: fx.Node) -> bool:
-    """A value computed by the forward (not an input, a parameter or a buffer)."""
-    return node.op not in ("placeholder", "get_attr", "output")
-
-
-def _carries(nodes: list[fx.Node]) -> dict[int, fx.Node]:
-    """Position -> the one value alive after the op there, where exactly one is (NOTE [Cutting a traced forward])."""
-    last_use: dict[fx.Node, int] = {}
-    for i, node in enumerate(nodes):
-        for used in node.all_input_nodes:
-            last_use[used] = i
-    live: set[fx.Node] = set()
-    ends: dict[int, list[fx.Node]] = {}
-    for node, i in last_use.items():
-        ends.setdefault(i, []).append(node)
-    found: dict[int, fx.Node] = {}
-    last_op = max((i for i, n in enumerate(nodes) if _is_value(n)), default=0)
-    for i, node in enumerate(nodes[:last_op]):  # a cut leaves ops on both sides
-        if _is_value(node) and node in last_use:
-            live.add(node)
-        live.difference_update(ends.get(i, ()))
-        if _is_value(node) and len(live) == 1:
-            found[i] = next(iter(live))
-    return found
-
-
-class _Sizes(fx.Interpreter):
-    """Runs the trace and records the bytes of every tensor value (NOTE [Cutting a traced forward])."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.sizes: dict[fx.Node, int] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        if isinstance(out, torch.Tensor):
-            self.sizes[n] = out.numel() * out.element_size()
-        return out
-
-
-def _sizes(gm: fx.GraphModule, values: tuple) -> dict[fx.Node, int] | None:
-    """Bytes of every tensor value, run on fake tensors (nothing allocated); None when fake tensors cannot run it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    sizes = _Sizes(gm)
-    try:
-        fake = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values)
-        with torch.no_grad(), mode:
-            sizes.run(*fake)
-    except Exception:  # noqa: BLE001 (.item(), data-dependent shapes: cuts are then spread by op count)
-        return None
-    return sizes.sizes
-
-
-def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[fx.Node, int] | None) -> list[int]:
-    """Up to MAX_SEGMENTS - 1 cut positions, spread evenly over the bytes made (the ops without ``sizes``),
-    each the smallest carry near its place."""
-    weights = [sizes.get(n, 0) if sizes is not None else int(_is_value(n)) for n in nodes]
-    total = sum(weights) or 1
-    cumulative, running = [], 0
-    for w in weights:
-        running += w
-        cumulative.append(running)
-    positions = sorted(carries)
-    ops = sum(_is_value(n) for n in nodes)
-    count = min(MAX_SEGMENTS, len(positions) + 1, ops // MIN_SEGMENT_OPS)
-    cuts: list[int] = []
-    for j in range(1, count):
-        target, half = j * total / count, total / count / 2
-        near = [p for p in positions if abs(cumulative[p] - target) <= half and (not cuts or p > cuts[-1])]
-        if near:
-            cuts.append(min(near, key=lambda p: ((sizes or {}).get(carries[p], 0), abs(cumulative[p] - target))))
-    return cuts
-
-
 # --- segments -----------------------------------------------------------------------------------
 
 
@@ -259,13 +142,17 @@ def _segment_graph(nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | N
     return graph
 
 
-def _segment(model: nn.Module, gm: fx.GraphModule, graph: fx.Graph) -> _Segment:
+def _segment_code(model: nn.Module, gm: fx.GraphModule, graph: fx.Graph) -> tuple[Callable, dict[str, Any]]:
+    """The Python fx writes for ``graph``, compiled, and the trace's constants it reads."""
     consts = {}
     for node in graph.nodes:  # tensors fx made from constants in the forward live on the trace, not the model
         if node.op == "get_attr" and not _has_attr(model, node.target):
             head = node.target.split(".")[0]
             consts[head] = getattr(gm, head)
-    return _Segment(model, graph, consts)
+    code = graph.python_code(root_module="self")
+    scope = dict(code.globals)
+    exec(compile(code.src, "<remat traced segment>", "exec"), scope)  # noqa: S102 (fx's own code)
+    return scope["forward"], consts
 
 
 def _has_attr(model: nn.Module, target: str) -> bool:
@@ -277,20 +164,21 @@ def _has_attr(model: nn.Module, target: str) -> bool:
     return True
 
 
-def _install(model: nn.Module, traced: tuple[fx.GraphModule, dict[nn.Module, bool]], signature: inspect.Signature,
-             cuts: list[int], carries: dict[int, fx.Node]) -> list[str]:
-    gm, modes = traced
+def _install(model: nn.Module, trace: Traced, signature: inspect.Signature, cuts: list[int]) -> list[str]:
     if HOLDER in model._modules or hasattr(model, HOLDER):
         raise TracedError(f"it already has an attribute {HOLDER!r}")
-    nodes = list(gm.graph.nodes)
+    nodes, carries = trace.nodes, trace.carries
     bounds = [-1, *cuts, len(nodes) - 1]
     segments: OrderedDict[str, nn.Module] = OrderedDict()
     for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         last = k == len(bounds) - 2
-        graph = _segment_graph(nodes, lo + 1, hi, carries.get(lo), None if last else carries[hi])
-        segments[_PREFIX + ("output" if last else nodes[hi].name)] = _segment(model, gm, graph)
+        if (lo, hi) not in trace.code:  # NOTE [One trace per model and mode]
+            graph = _segment_graph(nodes, lo + 1, hi, carries.get(lo), None if last else carries[hi])
+            trace.code[lo, hi] = _segment_code(model, trace.gm, graph)
+        segments[_PREFIX + ("output" if last else nodes[hi].name)] = _Segment(model, *trace.code[lo, hi])
     holder = nn.Sequential(segments)
     model._modules[HOLDER] = holder
+    modes = {module: trace.modes[name] for name, module in model.named_modules() if name in trace.modes}
     model.forward = _TracedForward(model, holder, signature, modes)
     return [f"{HOLDER}.{name}" for name in segments]
 
@@ -317,10 +205,8 @@ def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
         values = _values(signature, inputs)
     except TypeError as exc:
         raise TracedError(f"its forward{signature} does not take the inputs given ({exc})") from exc
-    traced = _trace(model, training)
-    gm = traced[0]
-    nodes = list(gm.graph.nodes)
-    carries = _carries(nodes)
+    trace = traced(model, training)
+    nodes, carries = trace.nodes, trace.carries
     ops = sum(_is_value(n) for n in nodes)
     if ops < 2 * MIN_SEGMENT_OPS:
         raise TracedError(f"its traced forward runs {ops} op(s), too few to cut into segments of "
@@ -329,11 +215,11 @@ def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
         raise TracedError(f"its traced forward ({ops} ops) has no point where a single value carries the state "
                           "from one op to the rest (two or more values are alive after every op), so it cannot "
                           "be cut into a chain")
-    sizes = _sizes(gm, values)
+    sizes = _sizes(trace.gm, values)
     if sizes is not None:  # a chain passes tensors: a tuple or a number alive alone is no place to cut
         carries = {p: n for p, n in carries.items() if n in sizes}
     cuts = _choose_cuts(nodes, carries, sizes)
-    return _install(model, traced, signature, cuts, carries)
+    return _install(model, trace, signature, cuts)
 
 
 @contextmanager
@@ -378,18 +264,16 @@ def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool
     wanted = [n.removeprefix(f"{HOLDER}.{_PREFIX}") for n in names if n.startswith(f"{HOLDER}.{_PREFIX}")]
     try:
         signature = _signature(model)
-        traced = _trace(model, training)
+        trace = traced(model, training)
     except TracedError as exc:
         raise RematError(f"remat.apply: the plan checkpoints segments of {type(model).__name__}'s traced forward, "
                          f"but this model cannot be traced: {exc}.") from exc
-    nodes = list(traced[0].graph.nodes)
-    position = {n.name: i for i, n in enumerate(nodes)}
-    carries = _carries(nodes)
+    position, carries = trace.position, trace.carries
     cuts = sorted(position[w] for w in wanted if w != "output" and w in position)
     bad = [w for w in wanted if w != "output" and (w not in position or position[w] not in carries)]
     if bad or "output" not in wanted:
         raise RematError(f"remat.apply: the plan names traced segments {bad or names} that {type(model).__name__}'s "
                          "traced forward does not end a chain at; was the plan made for another model? Profile "
                          "this one with remat.profile and plan again.")
-    _install(model, traced, signature, cuts, carries)
+    _install(model, trace, signature, cuts)
     return True

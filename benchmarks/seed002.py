@@ -1,0 +1,80 @@
+"""Seed 002's model at its own size: ``remat.auto`` on a forward with no submodules, traced and cut.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/seed002.py [LOOPS] [OPS]
+
+``HeavyModel``'s forward loops ``heavy_function`` LOOPS times (1000), each OPS ops (100): 100,000 ops
+on a scalar, with ``*`` for the seed's ``+`` (an add keeps nothing for backward, a mul keeps its
+input). Prints the peak without checkpointing, the plan's predicted and measured peaks (and their
+ratio), whether the loss and the gradients are ``torch.equal`` to the step without checkpointing,
+and how long ``remat.profile`` and ``remat.auto`` took, in seconds and in units of one plain step.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import torch
+from torch import nn
+
+import remat
+
+
+def make_model(loops: int, ops: int) -> nn.Module:
+    def heavy_function(x, a):
+        for _ in range(ops):
+            x = x * a
+        return x
+
+    class HeavyModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.tensor(1.0001))
+
+        def forward(self, x):
+            for _ in range(loops):
+                x = heavy_function(x, self.a)
+            return x
+
+    return HeavyModel()
+
+
+def step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    loss = model(x)
+    loss.backward()
+    return loss.detach(), [x.grad, *(p.grad for p in model.parameters())]
+
+
+def main() -> None:
+    loops, ops = (int(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else (1000, 100)))
+    torch.manual_seed(0)
+    model, x = make_model(loops, ops), torch.tensor(0.5)
+    plain = copy.deepcopy(model)
+    step(plain, x)
+    start = time.perf_counter()
+    want_loss, want_grads = step(plain, x)
+    one_step = time.perf_counter() - start
+    base = remat.measure(plain, x.requires_grad_(), warmup=0, repeat=1).peak_bytes
+
+    start = time.perf_counter()
+    plan = remat.auto(model, x, budget=0.5)
+    auto_s = time.perf_counter() - start
+    got_loss, got_grads = step(model, x)
+    equal = torch.equal(got_loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    measured = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    checkpointed = sum(policy != "keep" for policy in plan.assignment.values())
+    print(f"HeavyModel {loops}x{ops} = {loops * ops} ops, torch {torch.__version__}, CPU")
+    print(f"one plain step: {one_step:.3f} s; peak without checkpointing: {base} bytes "
+          f"(plan's baseline {plan.baseline_peak_bytes})")
+    print(f"plan: {checkpointed} of {len(plan.assignment)} segments checkpointed, {len(plan.segments)} nested; "
+          f"predicted {plan.predicted_peak_bytes} bytes ({plan.predicted_peak_bytes / base:.3f} of the peak), "
+          f"measured {measured} ({measured / base:.3f}); predicted/measured {plan.predicted_peak_bytes / measured:.4f}")
+    print(f"loss and gradients torch.equal to no checkpointing: {equal}")
+    print(f"remat.auto: {auto_s:.1f} s = {auto_s / one_step:.0f} plain steps")
+
+
+if __name__ == "__main__":
+    main()

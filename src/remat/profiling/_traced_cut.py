@@ -1,0 +1,197 @@
+"""Tracing a model's forward with ``torch.fx`` and finding where to cut it (NOTE [Cutting a traced forward]
+in ``remat.profiling._traced``), the trace kept per model and mode (NOTE [One trace per model and mode])."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from remat.errors import RematError
+
+#: Most segments a traced forward is cut into (the nested planner's chain grows with it).
+MAX_SEGMENTS = 32
+#: Fewest ops a segment is cut to hold, where the forward has enough: a segment of one op keeps in
+#: backward what checkpointing it would keep (its input), so it saves nothing.
+MIN_SEGMENT_OPS = 4
+
+class TracedError(RematError):
+    """A model's forward cannot be traced, or its trace cannot be cut into a chain."""
+
+
+# --- tracing --------------------------------------------------------------------------------------
+
+
+def _signature(model: nn.Module) -> inspect.Signature:
+    signature = inspect.signature(type(model).forward.__get__(model))
+    kinds = {p.kind for p in signature.parameters.values()}
+    if not signature.parameters or kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        raise TracedError("its forward takes no named inputs, or takes *args or **kwargs, which a traced forward "
+                          "cannot bind")
+    return signature
+
+
+def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dict[nn.Module, bool]]:
+    """The fx trace of ``model``'s class forward in ``training`` mode (None: its modes now), and those modes."""
+    if "forward" in model.__dict__:
+        raise TracedError("it has an instance-level forward (already wrapped or patched), not its class's")
+    before = {m: m.training for m in model.modules()}
+    try:
+        if training is not None:
+            model.train(training)
+        modes = {m: m.training for m in model.modules()}
+        return fx.symbolic_trace(model), modes
+    except fx.proxy.TraceError as exc:
+        raise TracedError(f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
+                          "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
+                          "express it)") from exc
+    except Exception as exc:  # whatever fx cannot run is the reason to tell
+        raise TracedError(f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
+                          "an untraceable op or Python on tensor values") from exc
+    finally:
+        for m, mode in before.items():
+            m.training = mode
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _is_value(node: fx.Node) -> bool:
+    """A value computed by the forward (not an input, a parameter or a buffer)."""
+    return node.op not in ("placeholder", "get_attr", "output")
+
+
+def _carries(nodes: list[fx.Node]) -> dict[int, fx.Node]:
+    """Position -> the one value alive after the op there, where exactly one is (NOTE [Cutting a traced forward])."""
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for used in node.all_input_nodes:
+            last_use[used] = i
+    live: set[fx.Node] = set()
+    ends: dict[int, list[fx.Node]] = {}
+    for node, i in last_use.items():
+        ends.setdefault(i, []).append(node)
+    found: dict[int, fx.Node] = {}
+    last_op = max((i for i, n in enumerate(nodes) if _is_value(n)), default=0)
+    for i, node in enumerate(nodes[:last_op]):  # a cut leaves ops on both sides
+        if _is_value(node) and node in last_use:
+            live.add(node)
+        live.difference_update(ends.get(i, ()))
+        if _is_value(node) and len(live) == 1:
+            found[i] = next(iter(live))
+    return found
+
+
+class _Sizes(fx.Interpreter):
+    """Runs the trace and records the bytes of every tensor value (NOTE [Cutting a traced forward])."""
+
+    def __init__(self, gm: fx.GraphModule, fake: Any) -> None:
+        super().__init__(gm)
+        self.sizes: dict[fx.Node, int] = {}
+        self.fake = fake
+        self.attrs: dict[str, Any] = {}
+
+    def fetch_attr(self, target: str) -> Any:
+        # each parameter made fake once: a real one met by an op is converted again at every op (ms each)
+        if target not in self.attrs:
+            value = super().fetch_attr(target)
+            self.attrs[target] = self.fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        return self.attrs[target]
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.sizes[n] = out.numel() * out.element_size()
+        return out
+
+
+def _sizes(gm: fx.GraphModule, values: tuple) -> dict[fx.Node, int] | None:
+    """Bytes of every tensor value, run on fake tensors (nothing allocated); None when fake tensors cannot run it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    sizes = _Sizes(gm, mode)
+    try:
+        fake = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values)
+        with torch.no_grad(), mode:
+            sizes.run(*fake)
+    except Exception:  # noqa: BLE001 (.item(), data-dependent shapes: cuts are then spread by op count)
+        return None
+    return sizes.sizes
+
+
+def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[fx.Node, int] | None) -> list[int]:
+    """Up to MAX_SEGMENTS - 1 cut positions, spread evenly over the bytes made (the ops without ``sizes``),
+    each the smallest carry near its place."""
+    weights = [sizes.get(n, 0) if sizes is not None else int(_is_value(n)) for n in nodes]
+    total = sum(weights) or 1
+    cumulative, running = [], 0
+    for w in weights:
+        running += w
+        cumulative.append(running)
+    positions = sorted(carries)
+    ops = sum(_is_value(n) for n in nodes)
+    count = min(MAX_SEGMENTS, len(positions) + 1, ops // MIN_SEGMENT_OPS)
+    cuts: list[int] = []
+    for j in range(1, count):
+        target, half = j * total / count, total / count / 2
+        near = [p for p in positions if abs(cumulative[p] - target) <= half and (not cuts or p > cuts[-1])]
+        if near:
+            cuts.append(min(near, key=lambda p: ((sizes or {}).get(carries[p], 0), abs(cumulative[p] - target))))
+    return cuts
+
+
+# --- one trace per model and mode -----------------------------------------------------------------
+
+# NOTE [One trace per model and mode]
+# Tracing a forward of 100,000 ops takes seconds, and so does writing the Python of its segments; the
+# profile, each plan remat.auto measures and remat.apply would each do it again. The trace, its carries
+# and the code of each segment are kept per model (weakly: they go with it) and per what the trace
+# depends on besides the code: the mode traced in, and the plain attributes (numbers, strings) of every
+# module, which a forward's Python loops and branches read (``self.loops``); a change to either traces
+# again. Segments are new modules at each install over the kept code, so no wrapper stays on one.
+_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Traced]] = weakref.WeakKeyDictionary()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@dataclass
+class Traced:
+    """A model's forward traced in one mode: its ops, where one value carries the state, compiled segments."""
+
+    gm: fx.GraphModule
+    modes: dict[str, bool]
+    """Module name -> the mode it was traced in."""
+    nodes: list[fx.Node]
+    carries: dict[int, fx.Node]
+    position: dict[str, int]
+    code: dict[tuple[int, int], tuple[Callable, dict[str, Any]]] = field(default_factory=dict)
+    """(first op, last op) -> the segment's compiled forward and the trace's constants it reads."""
+
+
+def _key(model: nn.Module, training: bool | None) -> tuple:
+    plain = tuple((name, tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in _PLAIN and k != "training")))
+                  for name, m in model.named_modules())
+    modes = training if training is not None else tuple(m.training for m in model.modules())
+    return modes, plain
+
+
+def traced(model: nn.Module, training: bool | None) -> Traced:
+    """``model``'s forward traced in ``training`` mode (None: its modes now), kept (NOTE [One trace per model
+    and mode])."""
+    key = _key(model, training)
+    kept = _TRACES.setdefault(model, {})
+    if key not in kept:
+        gm, modes = _trace(model, training)
+        nodes = list(gm.graph.nodes)
+        names = {module: name for name, module in model.named_modules()}  # names: the kept trace holds no module
+        kept.clear()  # the latest trace only: a model's other modes are rarely asked for again
+        kept[key] = Traced(gm, {names[m]: mode for m, mode in modes.items()}, nodes, _carries(nodes),
+                           {n.name: i for i, n in enumerate(nodes)})
+    return kept[key]
