@@ -128,7 +128,7 @@ def _segment_graph(nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | N
 
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env and n.op == "get_attr":
-            env[n] = graph.get_attr(n.target)
+            env[n] = graph.get_attr(str(n.target))  # a get_attr node's target is the attribute's qualified name
         return env[n]
 
     for node in nodes[lo:hi + 1]:
@@ -138,6 +138,8 @@ def _segment_graph(nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | N
             graph.output(fx.map_arg(node.args[0], lookup))
             return graph
         env[node] = graph.node_copy(node, lookup)
+    if carry_out is None:
+        raise RuntimeError("a segment that does not end the forward hands a carry on (remat.profiling._traced_cut)")
     graph.output(lookup(carry_out))
     return graph
 
@@ -254,8 +256,9 @@ def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool
     """Rebuild the segments a plan names (NOTE [Segments own nothing]) unless ``model`` has them already;
     True when it built them."""
     names = list(names)
-    if HOLDER in model._modules:
-        have = sorted(f"{HOLDER}.{n}" for n, _ in model._modules[HOLDER].named_children())
+    holder = model._modules.get(HOLDER)
+    if holder is not None:
+        have = sorted(f"{HOLDER}.{n}" for n, _ in holder.named_children())
         if have == sorted(n for n in names if n.startswith(f"{HOLDER}.")):
             return False
         raise RematError(f"remat.apply: {type(model).__name__} runs the segments of another plan's traced forward "
