@@ -14,7 +14,7 @@ COMPAT_TORCH ?= torch==2.14.1
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_TESTS ?= tests/core tests/planning tests/profiling tests/diagnosis
 
-.PHONY: setup demo test test-fast test-compat bench clean
+.PHONY: setup demo test test-fast test-compat lint bench clean
 
 $(BIN)/remat: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,12 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# What CI checks besides the tests: ruff's rules and format, and mypy on src/ (pyproject.toml).
+lint: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/mypy
 
 # A quick subset while working (not what CI runs): every test not marked slow, gpu or heavy.
 test-fast: setup

@@ -27,8 +27,14 @@ def main() -> None:
     parser.add_argument("--max-batch", nargs="*", default=["llama"], help="models for the max-batch table")
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds per model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--compile", type=float, nargs="*", default=[], metavar="BUDGET",
-                        help="also torch.compile at these activation memory budgets (about a minute each to compile)")
+    parser.add_argument(
+        "--compile",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="BUDGET",
+        help="also torch.compile at these activation memory budgets (about a minute each to compile)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--plots", type=pathlib.Path, default=ROOT / "docs")
     args = parser.parse_args()
@@ -37,8 +43,15 @@ def main() -> None:
     def progress(text: str, done: int, total: int) -> None:
         print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
 
-    report = run_bench(args.models, quick=args.quick, repeat=args.repeat, warmup=args.warmup,
-                       compile_budgets=args.compile, progress=progress, command=command)
+    report = run_bench(
+        args.models,
+        quick=args.quick,
+        repeat=args.repeat,
+        warmup=args.warmup,
+        compile_budgets=args.compile,
+        progress=progress,
+        command=command,
+    )
     sections = ["# Benchmarks", "", report.markdown()]
     for name in args.max_batch:
         from remat.bench import QUICK
@@ -65,7 +78,7 @@ def _replace_own_part(path: pathlib.Path, text: str) -> str:
     own = f"{BEGIN}\n{text}{END}\n"
     old = path.read_text() if path.exists() else ""
     if BEGIN in old and END in old:
-        return old[:old.index(BEGIN)] + own + old[old.index(END) + len(END) + 1:]
+        return old[: old.index(BEGIN)] + own + old[old.index(END) + len(END) + 1 :]
     return own + ("\n" + old if old else "")
 
 

@@ -45,18 +45,36 @@ from remat.profiling._format import human_bytes
 
 SIZES = {
     "gpt2": {"layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seq": 128, "batch": 4, "dropout": 0.1},
-    "llama": {"layers": 4, "hidden": 128, "intermediate": 344, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 128,
-              "batch": 4},
-    "vit": {"layers": 4, "hidden": 128, "intermediate": 512, "heads": 4, "image": 64, "patch": 8, "classes": 10,
-            "batch": 8, "dropout": 0.1},
+    "llama": {
+        "layers": 4,
+        "hidden": 128,
+        "intermediate": 344,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 512,
+        "seq": 128,
+        "batch": 4,
+    },
+    "vit": {
+        "layers": 4,
+        "hidden": 128,
+        "intermediate": 512,
+        "heads": 4,
+        "image": 64,
+        "patch": 8,
+        "classes": 10,
+        "batch": 8,
+        "dropout": 0.1,
+    },
 }
 
 
 class Setup:
     """One compiled training step: a copy of the model, compiled under its own budget (and plan)."""
 
-    def __init__(self, label: str, built: zoo.ZooModel, backend: str, budget: float = 1.0,
-                 plan: remat.Plan | None = None) -> None:
+    def __init__(
+        self, label: str, built: zoo.ZooModel, backend: str, budget: float = 1.0, plan: remat.Plan | None = None
+    ) -> None:
         self.label, self.budget, self.plan, self.inputs, self.loss_fn = label, budget, plan, built.inputs, built.loss_fn
         model = copy.deepcopy(built.model)
         if plan is not None:
@@ -162,31 +180,45 @@ def model_table(name: str, budgets: list[float], backend: str, points: int, roun
     sweep = remat_sweep(built, backend, points, planner)
     pairs = [(c, match(c, sweep)) for c in compiled]
     timed = [*compiled, *sweep]  # every setup, so that dominance can be checked against every remat point
-    times = dict(zip(map(id, timed), interleaved_rounds([s.timed for s in timed], warmup=2, repeat=rounds),
-                     strict=True))
+    times = dict(
+        zip(map(id, timed), interleaved_rounds([s.timed for s in timed], warmup=2, repeat=rounds), strict=True)
+    )
     ratio = {id(s): ratio_to(times[id(s)], times[id(ref)]) for s in timed}
     ref_loss, ref_grads = ref.gradients()
-    out = [f"### {name} ({', '.join(f'{k} {v}' for k, v in SIZES[name].items())})", "",
-           "| compile budget | peak | time | gradients | remat plan at or below | peak | time | gradients |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {name} ({', '.join(f'{k} {v}' for k, v in SIZES[name].items())})",
+        "",
+        "| compile budget | peak | time | gradients | remat plan at or below | peak | time | gradients |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c, r in pairs:
-        left = f"| {c.label} | {c.peak / ref.peak:.3f} | {ratio[id(c)]:.2f}x | " \
-               f"{_gaps(c, ref_loss, ref_grads)} |"
-        right = " none reaches it | | | |" if r is None else \
-            f" {r.label} | {r.peak / ref.peak:.3f} | {ratio[id(r)]:.2f}x | " \
-            f"{_gaps(r, ref_loss, ref_grads)} |"
+        left = f"| {c.label} | {c.peak / ref.peak:.3f} | {ratio[id(c)]:.2f}x | {_gaps(c, ref_loss, ref_grads)} |"
+        right = (
+            " none reaches it | | | |"
+            if r is None
+            else f" {r.label} | {r.peak / ref.peak:.3f} | {ratio[id(r)]:.2f}x | {_gaps(r, ref_loss, ref_grads)} |"
+        )
         out.append(left + right)
     monotone = all(a.peak <= b.peak for a, b in zip(sweep, sweep[1:], strict=False))
-    dominated = [f"{c.label} over {r.label} (time {_slower(times[id(r)], times[id(c)], times[id(ref)])})"
-                 for c in compiled[1:] for r in sweep if c.peak < r.peak and ratio[id(c)] < ratio[id(r)]]
+    dominated = [
+        f"{c.label} over {r.label} (time {_slower(times[id(r)], times[id(c)], times[id(ref)])})"
+        for c in compiled[1:]
+        for r in sweep
+        if c.peak < r.peak and ratio[id(c)] < ratio[id(r)]
+    ]
     beyond = sum("beyond noise" in d for d in dominated)
-    out += ["", f"Reference (compiled, no checkpointing): {human_bytes(ref.peak)}. remat sweep, from the floor up "
-            "(compiled peak of the reference, time): " + ", ".join(
-                f"{s.label} {s.peak / ref.peak:.3f} {ratio[id(s)]:.2f}x" for s in sweep)
-            + f". remat's peaks monotone in the budget: {'yes' if monotone else 'NO'}. remat points dominated by "
-            f"a compile budget (lower peak and time; {beyond} of {len(dominated)} beyond noise): "
-            f"{'; '.join(dominated) or 'none'}. Compiles: "
-            + ", ".join(f"{s.compile_s:.0f}" for s in [*compiled, *sweep]) + " s.", ""]
+    out += [
+        "",
+        f"Reference (compiled, no checkpointing): {human_bytes(ref.peak)}. remat sweep, from the floor up "
+        "(compiled peak of the reference, time): "
+        + ", ".join(f"{s.label} {s.peak / ref.peak:.3f} {ratio[id(s)]:.2f}x" for s in sweep)
+        + f". remat's peaks monotone in the budget: {'yes' if monotone else 'NO'}. remat points dominated by "
+        f"a compile budget (lower peak and time; {beyond} of {len(dominated)} beyond noise): "
+        f"{'; '.join(dominated) or 'none'}. Compiles: "
+        + ", ".join(f"{s.compile_s:.0f}" for s in [*compiled, *sweep])
+        + " s.",
+        "",
+    ]
     return out
 
 
@@ -197,16 +229,23 @@ def main() -> None:
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--sweep", type=int, default=10, help="remat budgets between the plan floor and 1")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--planner", choices=("compiled", "eager"), default="compiled",
-                        help="plan remat's sweep for compiled peaks (as remat.auto(compiled=...)) or eager ones")
+    parser.add_argument(
+        "--planner",
+        choices=("compiled", "eager"),
+        default="compiled",
+        help="plan remat's sweep for compiled peaks (as remat.auto(compiled=...)) or eager ones",
+    )
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     budgets = [1.0, *(b for b in budgets if b != 1.0)]  # the reference first
     # Every setup is its own model copy: more compiled versions of one forward than dynamo's default 8.
     torch._dynamo.config.recompile_limit = 256
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, {args.backend}, CPU allocator peaks, remat planned for "
-          f"{args.planner} peaks\n", flush=True)
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, {args.backend}, CPU allocator peaks, remat planned for "
+        f"{args.planner} peaks\n",
+        flush=True,
+    )
     for name in args.models.split(","):
         start = time.perf_counter()
         print("\n".join(model_table(name, budgets, args.backend, args.sweep, args.rounds, args.planner)), flush=True)

@@ -61,7 +61,7 @@ def _batch(batch: int, seq: int, *, pad: int = 8, seed: int = 0) -> dict[str, to
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[batch // 2:, seq - pad:] = 0
+    mask[batch // 2 :, seq - pad :] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -69,18 +69,31 @@ def _batch(batch: int, seq: int, *, pad: int = 8, seed: int = 0) -> dict[str, to
 def _mistral(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple[nn.Module, dict]:
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
-                           max_position_embeddings=2 * seq, use_cache=False)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=2 * seq,
+        use_cache=False,
+    )
     return MistralForCausalLM(config), _batch(batch, seq)
 
 
 def _bert(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple[nn.Module, dict]:
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                        num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=2 * seq,
-                        attn_implementation="eager")
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=2 * seq,
+        attn_implementation="eager",
+    )
     model = BertForMaskedLM(config)
     assert model.config._attn_implementation == "eager", model.config._attn_implementation
     inputs = _batch(batch, seq)
@@ -93,9 +106,18 @@ def _bert(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple[n
 def _t5(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple[nn.Module, dict]:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=VOCAB, d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden, num_layers=layers,
-                      num_decoder_layers=layers, num_heads=heads, use_cache=False, decoder_start_token_id=0,
-                      pad_token_id=0)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=hidden,
+        d_kv=hidden // heads,
+        d_ff=2 * hidden,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=heads,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     inputs = _batch(batch, seq)
     inputs["labels"] = _batch(batch, seq // 2, seed=1)["labels"]  # targets half as long as the sources
     return T5ForConditionalGeneration(config), inputs
@@ -104,10 +126,20 @@ def _t5(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple[nn.
 def _mixtral(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tuple[nn.Module, dict]:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
-                           num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                           router_aux_loss_coef=0.02, max_position_embeddings=2 * seq, use_cache=False)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        max_position_embeddings=2 * seq,
+        use_cache=False,
+    )
     return MixtralForCausalLM(config), _batch(batch, seq)
 
 
@@ -137,7 +169,11 @@ def _encoder(layers: int, hidden: int, heads: int, seq: int, batch: int) -> tupl
 
 
 FAMILIES: dict[str, Callable[..., tuple[nn.Module, dict]]] = {
-    "mistral": _mistral, "bert": _bert, "t5": _t5, "mixtral": _mixtral, "encoder": _encoder,
+    "mistral": _mistral,
+    "bert": _bert,
+    "t5": _t5,
+    "mixtral": _mixtral,
+    "encoder": _encoder,
 }
 
 
@@ -208,8 +244,12 @@ def sweep(family: str, n_budgets: int, n_auto: int) -> Result:
     model, inputs = build(family)
     prof = remat.profile(model, inputs, repeat=1, warmup=0)
     budgets = fractions(prof, n_budgets)
-    result = Result(family, [b.name for b in prof.blocks], prof.baseline_peak_bytes,
-                    remat.plan(prof, strategy="none").min_peak_bytes)
+    result = Result(
+        family,
+        [b.name for b in prof.blocks],
+        prof.baseline_peak_bytes,
+        remat.plan(prof, strategy="none").min_peak_bytes,
+    )
     for budget in budgets:
         plan = remat.plan(prof, budget)
         result.plain.append(Row(budget, plan.predicted_peak_bytes, measured_peak(model, inputs, plan), letters(plan)))
@@ -228,8 +268,9 @@ def sweep(family: str, n_budgets: int, n_auto: int) -> Result:
             remat.remove(model)
         note = f"re-measured {again - plan.measured_peak_bytes:+d} B" if again != plan.measured_peak_bytes else ""
         note = "; ".join(filter(None, [note, *plan.notes]))
-        result.verified.append(Row(budget, plan.predicted_peak_bytes, max(plan.measured_peak_bytes, again),
-                                   letters(plan), note))
+        result.verified.append(
+            Row(budget, plan.predicted_peak_bytes, max(plan.measured_peak_bytes, again), letters(plan), note)
+        )
     result.seconds = time.perf_counter() - start
     return result
 
@@ -239,17 +280,24 @@ def _pct(x: float | None) -> str:
 
 
 def family_table(r: Result) -> str:
-    lines = [f"### {r.family} ({len(r.blocks)} blocks: {r.blocks[0]} ... {r.blocks[-1]}; {r.seconds:.0f} s)", "",
-             f"Un-checkpointed peak {human_bytes(r.baseline)} ({r.baseline} B), lowest planned "
-             f"{human_bytes(r.minimum)} ({r.minimum / r.baseline:.3f}). Assignment: one letter per block "
-             "(k keep, s selective, o selective-ops, f full, F full-fine), then nested segments.", "",
-             "| sweep | budget (B) | x baseline | assignment | predicted (B) | measured (B) | measured - budget | "
-             "measured / predicted - 1 | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {r.family} ({len(r.blocks)} blocks: {r.blocks[0]} ... {r.blocks[-1]}; {r.seconds:.0f} s)",
+        "",
+        f"Un-checkpointed peak {human_bytes(r.baseline)} ({r.baseline} B), lowest planned "
+        f"{human_bytes(r.minimum)} ({r.minimum / r.baseline:.3f}). Assignment: one letter per block "
+        "(k keep, s selective, o selective-ops, f full, F full-fine), then nested segments.",
+        "",
+        "| sweep | budget (B) | x baseline | assignment | predicted (B) | measured (B) | measured - budget | "
+        "measured / predicted - 1 | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, rows in (("plan", r.plain), ("auto", r.verified)):
         for row in rows:
             over = "" if row.over is None else f"{row.over:+d}" + (" **over**" if row.over > 0 else "")
-            lines.append(f"| {label} | {row.budget} | {row.budget / r.baseline:.3f} | {row.assignment} | "
-                         f"{row.predicted or ''} | {row.measured or ''} | {over} | {_pct(row.error)} | {row.note} |")
+            lines.append(
+                f"| {label} | {row.budget} | {row.budget / r.baseline:.3f} | {row.assignment} | "
+                f"{row.predicted or ''} | {row.measured or ''} | {over} | {_pct(row.error)} | {row.note} |"
+            )
     return "\n".join(lines)
 
 
@@ -261,9 +309,12 @@ def _worst(rows: list[Row]) -> tuple[int, int, Row | None]:
 
 
 def summary(results: list[Result]) -> str:
-    lines = ["| family | blocks | budgets (plan) | broken (plan) | worst measured - budget (plan) | "
-             "under-predicted (plan) | prediction error max / min | budgets (auto) | broken (auto) | "
-             "refused (auto) | worst measured - budget (auto) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| family | blocks | budgets (plan) | broken (plan) | worst measured - budget (plan) | "
+        "under-predicted (plan) | prediction error max / min | budgets (auto) | broken (auto) | "
+        "refused (auto) | worst measured - budget (auto) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         n, broken, worst = _worst(r.plain)
         errors = [row.error for row in r.plain if row.error is not None]
@@ -271,8 +322,10 @@ def summary(results: list[Result]) -> str:
         refused = sum(1 for row in r.verified if row.measured is None)
         cell = lambda w: "" if w is None else f"{w.over:+d} B ({w.over / w.budget:+.3%})"  # noqa: E731
         under = sum(1 for e in errors if e > 0)
-        lines.append(f"| {r.family} | {len(r.blocks)} | {n} | {broken} | {cell(worst)} | {under} | "
-                     f"{_pct(max(errors))} / {_pct(min(errors))} | {na} | {broken_a} | {refused} | {cell(worst_a)} |")
+        lines.append(
+            f"| {r.family} | {len(r.blocks)} | {n} | {broken} | {cell(worst)} | {under} | "
+            f"{_pct(max(errors))} / {_pct(min(errors))} | {na} | {broken_a} | {refused} | {cell(worst_a)} |"
+        )
     return "\n".join(lines)
 
 
@@ -281,15 +334,22 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--budgets", type=int, default=20, help="budgets per family for the plain plans")
     parser.add_argument("--auto-budgets", type=int, default=5, help="of those, how many go through remat.auto")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (peaks do not depend on it; 2 threads on 2 shared cores ran 100x slower)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (peaks do not depend on it; 2 threads on 2 shared cores ran 100x slower)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
 
-    print(f"device cpu ({platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, python {platform.python_version()}; sizes {SIZES}, "
-          f"vocab {VOCAB}\n", flush=True)
+    print(
+        f"device cpu ({platform.machine()}, {torch.get_num_threads()} threads), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, python {platform.python_version()}; sizes {SIZES}, "
+        f"vocab {VOCAB}\n",
+        flush=True,
+    )
     results = []
     for family in args.families:
         results.append(sweep(family, args.budgets, args.auto_budgets))

@@ -37,22 +37,68 @@ from remat.zoo import build
 #: Sizes with a step of tens to hundreds of milliseconds on 2 CPU cores.
 SIZES = {
     "gpt2": {"layers": 4, "hidden": 128, "heads": 4, "vocab": 2048, "seq": 128, "batch": 4},
-    "llama": {"layers": 4, "hidden": 128, "intermediate": 344, "heads": 4, "kv_heads": 2, "vocab": 2048, "seq": 128,
-              "batch": 4},
-    "vit": {"layers": 4, "hidden": 128, "intermediate": 512, "heads": 4, "image": 64, "patch": 8, "classes": 10,
-            "batch": 4, "dropout": 0.1},
-    "resnet50": {"depths": (3, 3), "hidden_sizes": (64, 64), "embedding_size": 8, "image": 64, "classes": 10,
-                 "batch": 8},
+    "llama": {
+        "layers": 4,
+        "hidden": 128,
+        "intermediate": 344,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 2048,
+        "seq": 128,
+        "batch": 4,
+    },
+    "vit": {
+        "layers": 4,
+        "hidden": 128,
+        "intermediate": 512,
+        "heads": 4,
+        "image": 64,
+        "patch": 8,
+        "classes": 10,
+        "batch": 4,
+        "dropout": 0.1,
+    },
+    "resnet50": {
+        "depths": (3, 3),
+        "hidden_sizes": (64, 64),
+        "embedding_size": 8,
+        "image": 64,
+        "classes": 10,
+        "batch": 8,
+    },
 }
 #: The fit tests' sizes (tests/planning/test_fit.py): seconds per model.
 QUICK = {
     "gpt2": {"layers": 3, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
-    "llama": {"layers": 3, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
-              "batch": 2},
-    "vit": {"layers": 3, "hidden": 32, "intermediate": 64, "heads": 2, "image": 64, "patch": 8, "classes": 10,
-            "batch": 2, "dropout": 0.1},
-    "resnet50": {"depths": (3, 3), "hidden_sizes": (32, 32), "embedding_size": 4, "image": 32, "classes": 10,
-                 "batch": 8},
+    "llama": {
+        "layers": 3,
+        "hidden": 64,
+        "intermediate": 172,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 512,
+        "seq": 64,
+        "batch": 2,
+    },
+    "vit": {
+        "layers": 3,
+        "hidden": 32,
+        "intermediate": 64,
+        "heads": 2,
+        "image": 64,
+        "patch": 8,
+        "classes": 10,
+        "batch": 2,
+        "dropout": 0.1,
+    },
+    "resnet50": {
+        "depths": (3, 3),
+        "hidden_sizes": (32, 32),
+        "embedding_size": 4,
+        "image": 32,
+        "classes": 10,
+        "batch": 8,
+    },
 }
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _device import SimulatedDevice  # noqa: E402  (the fit tests' device: real storages, fake tensors not counted)
@@ -102,9 +148,11 @@ def _times(zoo, budget: int, rounds: int) -> tuple[float, float]:
 
 
 def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
-    lines = ["| model | budget | peak without checkpointing | remat's own peak during auto | within | "
-             "auto, in steps | one step | real steps verified | plan |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | budget | peak without checkpointing | remat's own peak during auto | within | "
+        "auto, in steps | one step | real steps verified | plan |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, options in sizes.items():
         zoo = build(name, **options)
         keep = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
@@ -113,11 +161,17 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
             torch.manual_seed(0)
             own, plan, verified = _own_peak(zoo, budget)
             step_s, auto_s = _times(zoo, budget, rounds)
-            policies = ", ".join(f"{n} {p}" for p, n in sorted(
-                {p: list(plan.assignment.values()).count(p) for p in set(plan.assignment.values())}.items()))
-            lines.append(f"| {name} | {fraction} ({human_bytes(budget)}) | {human_bytes(keep)} | {human_bytes(own)} | "
-                         f"{'yes' if own <= budget else 'NO'} | {auto_s / step_s:.1f} | {step_s * 1e3:.0f} ms | "
-                         f"{verified} | {policies} |")
+            policies = ", ".join(
+                f"{n} {p}"
+                for p, n in sorted(
+                    {p: list(plan.assignment.values()).count(p) for p in set(plan.assignment.values())}.items()
+                )
+            )
+            lines.append(
+                f"| {name} | {fraction} ({human_bytes(budget)}) | {human_bytes(keep)} | {human_bytes(own)} | "
+                f"{'yes' if own <= budget else 'NO'} | {auto_s / step_s:.1f} | {step_s * 1e3:.0f} ms | "
+                f"{verified} | {policies} |"
+            )
             print(lines[-1], flush=True)
     return lines
 
@@ -125,11 +179,21 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
 def _write(lines: list[str], command: str) -> None:
     path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
     text = path.read_text() if path.exists() else ""
-    section = "\n".join([BEGIN, "", "## remat.auto on a device the step does not fit", "",
-                         f"`{command}` on {platform.machine()} CPU, torch {torch.__version__}, "
-                         f"{torch.get_num_threads()} threads.", "", *lines, "", END])
+    section = "\n".join(
+        [
+            BEGIN,
+            "",
+            "## remat.auto on a device the step does not fit",
+            "",
+            f"`{command}` on {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads.",
+            "",
+            *lines,
+            "",
+            END,
+        ]
+    )
     if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)

@@ -42,8 +42,10 @@ def versions() -> str:
     except ImportError:
         tf = "none"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    return (f"device: {gpu}; torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}); "
-            f"transformers {tf}; host {platform.machine()}, {torch.get_num_threads()} threads")
+    return (
+        f"device: {gpu}; torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}); "
+        f"transformers {tf}; host {platform.machine()}, {torch.get_num_threads()} threads"
+    )
 
 
 def err(predicted: float, measured: float) -> str:
@@ -90,36 +92,48 @@ def configurations(files: list[str], configs: list[str] | None) -> Iterator[tupl
 
 
 def cpu_part(files: list[str], configs: list[str] | None) -> None:
-    print("| file | config | assignment | measured peak (H100) | fake predicted | error "
-          "| measured time ratio | fake predicted ratio | difference |")
+    print(
+        "| file | config | assignment | measured peak (H100) | fake predicted | error "
+        "| measured time ratio | fake predicted ratio | difference |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     plans = []
     for name, truth, label in configurations(files, configs):
         prof, took = fake_profile(truth, label)
         for r in compare(truth, label, prof):
-            print(f"| {name} | {label} | {r.assignment} | {human_bytes(r.measured_peak)} | "
-                  f"{human_bytes(r.predicted_peak)} | {r.peak_error:+.2%} | {r.measured_ratio:.3f} | "
-                  f"{r.predicted_ratio:.3f} | {r.predicted_ratio - r.measured_ratio:+.3f} |")
+            print(
+                f"| {name} | {label} | {r.assignment} | {human_bytes(r.measured_peak)} | "
+                f"{human_bytes(r.predicted_peak)} | {r.peak_error:+.2%} | {r.measured_ratio:.3f} | "
+                f"{r.predicted_ratio:.3f} | {r.predicted_ratio - r.measured_ratio:+.3f} |"
+            )
         for fraction in BUDGETS:
             plan = _plan(prof, fraction)
             if plan is None:
-                plans.append(f"| {name} | {label} | {fraction} | below the lowest peak any plan reaches "
-                             f"({_lowest(prof)}) | | | | {took:.0f} s |")
+                plans.append(
+                    f"| {name} | {label} | {fraction} | below the lowest peak any plan reaches "
+                    f"({_lowest(prof)}) | | | | {took:.0f} s |"
+                )
                 continue
             counts = {p: list(plan.assignment.values()).count(p) for p in ("keep", "selective", "full")}
-            plans.append(f"| {name} | {label} | {fraction} | {human_bytes(plan.budget_bytes)} | "
-                         f"{human_bytes(plan.predicted_peak_bytes)} | {1 + plan.predicted_overhead:.3f} | "
-                         f"{counts['keep']}/{counts['selective']}/{counts['full']} | {took:.0f} s |")
+            plans.append(
+                f"| {name} | {label} | {fraction} | {human_bytes(plan.budget_bytes)} | "
+                f"{human_bytes(plan.predicted_peak_bytes)} | {1 + plan.predicted_overhead:.3f} | "
+                f"{counts['keep']}/{counts['selective']}/{counts['full']} | {took:.0f} s |"
+            )
     print("\nPlans from the fake profiles (not measured: no GPU here):\n")
-    print("| file | config | budget | bytes | predicted peak | predicted time ratio | keep/selective/full "
-          "| fake profile took |")
+    print(
+        "| file | config | budget | bytes | predicted peak | predicted time ratio | keep/selective/full "
+        "| fake profile took |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(plans))
 
 
 def gpu_part(files: list[str], configs: list[str] | None, device: str = "cuda") -> None:
-    print("| file | config | assignment | measured peak | real profile | error | fake profile | error "
-          "| measured time ratio | real predicted | fake predicted |")
+    print(
+        "| file | config | assignment | measured peak | real profile | error | fake profile | error "
+        "| measured time ratio | real predicted | fake predicted |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     budget_rows = []
     for name, truth, label in configurations(files, configs):
@@ -131,16 +145,20 @@ def gpu_part(files: list[str], configs: list[str] | None, device: str = "cuda") 
             m = measure(zoo, row["policies"])
             base = base or m.step_time_s
             pr, pf = real.predict_peak(row["policies"]), fake.predict_peak(row["policies"])
-            print(f"| {name} | {label} | {assignment} | {human_bytes(m.peak_bytes)} | {human_bytes(pr)} | "
-                  f"{err(pr, m.peak_bytes)} | {human_bytes(pf)} | {err(pf, m.peak_bytes)} | "
-                  f"{m.step_time_s / base:.3f} | {real.predict_time(row['policies']) / real.step_time_s:.3f} | "
-                  f"{fake.predict_time(row['policies']) / fake.step_time_s:.3f} |")
+            print(
+                f"| {name} | {label} | {assignment} | {human_bytes(m.peak_bytes)} | {human_bytes(pr)} | "
+                f"{err(pr, m.peak_bytes)} | {human_bytes(pf)} | {err(pf, m.peak_bytes)} | "
+                f"{m.step_time_s / base:.3f} | {real.predict_time(row['policies']) / real.step_time_s:.3f} | "
+                f"{fake.predict_time(row['policies']) / fake.step_time_s:.3f} |"
+            )
         for fraction in BUDGETS:
             for source, prof in (("real", real), ("fake", fake)):
                 plan = _plan(prof, fraction)
                 if plan is None:
-                    budget_rows.append(f"| {name} | {label} | {fraction} ({source}) | below the lowest peak "
-                                       f"any plan reaches ({_lowest(prof)}) | | | | | | |")
+                    budget_rows.append(
+                        f"| {name} | {label} | {fraction} ({source}) | below the lowest peak "
+                        f"any plan reaches ({_lowest(prof)}) | | | | | | |"
+                    )
                     continue
                 m = measure(zoo, plan.assignment)
                 fits = "yes" if m.peak_bytes <= plan.budget_bytes else "**no**"
@@ -148,12 +166,15 @@ def gpu_part(files: list[str], configs: list[str] | None, device: str = "cuda") 
                     f"| {name} | {label} | {fraction} ({source}) | {human_bytes(plan.budget_bytes)} | "
                     f"{human_bytes(plan.predicted_peak_bytes)} | {human_bytes(m.peak_bytes)} | "
                     f"{err(plan.predicted_peak_bytes, m.peak_bytes)} | {fits} | "
-                    f"{1 + plan.predicted_overhead:.3f} | {m.step_time_s / base:.3f} |")
+                    f"{1 + plan.predicted_overhead:.3f} | {m.step_time_s / base:.3f} |"
+                )
         del zoo
         if device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| file | config | budget (profile) | bytes | predicted peak | measured peak | error | fits "
-          "| predicted time ratio | measured time ratio |")
+    print(
+        "\n| file | config | budget (profile) | bytes | predicted peak | measured peak | error | fits "
+        "| predicted time ratio | measured time ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(budget_rows))
 
@@ -167,8 +188,10 @@ def main() -> None:
     if torch.cuda.is_available():
         gpu_part(args.files, args.configs)
     else:
-        print("No CUDA device here: the GPU part (real profiles, remat.measure, plans measured) did not run. "
-              "Below, fake profiles made on this CPU for target='h100' against the files' H100 measurements.\n")
+        print(
+            "No CUDA device here: the GPU part (real profiles, remat.measure, plans measured) did not run. "
+            "Below, fake profiles made on this CPU for target='h100' against the files' H100 measurements.\n"
+        )
         cpu_part(args.files, args.configs)
 
 

@@ -43,14 +43,23 @@ def conv_chain(channels: int = 64, blocks: int = 8) -> nn.Sequential:
 def _setup(name: str, options: dict[str, int]) -> tuple[str, nn.Module, Any, Any]:
     if name == "conv":
         torch.manual_seed(0)
-        return ("conv chain (stem + 8 conv-BN-ReLU, 64 ch, 64x64, batch 8)", conv_chain(),
-                torch.randn(8, 3, 64, 64), None)
+        return (
+            "conv chain (stem + 8 conv-BN-ReLU, 64 ch, 64x64, batch 8)",
+            conv_chain(),
+            torch.randn(8, 3, 64, 64),
+            None,
+        )
     if name == "conv-flat":  # the same chain as rotor takes it: one flat Sequential of single layers
         torch.manual_seed(0)
-        flat = nn.Sequential(*(layer for block in conv_chain() for layer in (block if isinstance(block, nn.Sequential)
-                                                                             else [block])))
-        return ("conv chain written flat (25 single layers, 64 ch, 64x64, batch 8)", flat,
-                torch.randn(8, 3, 64, 64), None)
+        flat = nn.Sequential(
+            *(layer for block in conv_chain() for layer in (block if isinstance(block, nn.Sequential) else [block]))
+        )
+        return (
+            "conv chain written flat (25 single layers, 64 ch, 64x64, batch 8)",
+            flat,
+            torch.randn(8, 3, 64, 64),
+            None,
+        )
     from remat.zoo import build
 
     zoo = build(name, **options)
@@ -69,11 +78,13 @@ def _where(prof: remat.Profile, policy: str) -> str:
     key, live, top = max(timeline, key=lambda t: t[2])
     glue = max((t for t in timeline if t[0][1] is None), key=lambda t: t[2])
     mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
-    return (f"every block {policy}: peak {mib(top)} MiB in {key[0]} of {key[1] or 'glue'} = "
-            f"resting {mib(prof.resting_bytes)}"
-            f" + live above resting at its start {mib(live - prof.resting_bytes)} (gradients so far, kept inputs)"
-            f" + the segment's own {mib(top - live)}; highest glue peak {mib(glue[2])} MiB ({glue[0][0]} glue "
-            f"{glue[0][2]}: embedding, head, loss)")
+    return (
+        f"every block {policy}: peak {mib(top)} MiB in {key[0]} of {key[1] or 'glue'} = "
+        f"resting {mib(prof.resting_bytes)}"
+        f" + live above resting at its start {mib(live - prof.resting_bytes)} (gradients so far, kept inputs)"
+        f" + the segment's own {mib(top - live)}; highest glue peak {mib(glue[2])} MiB ({glue[0][0]} glue "
+        f"{glue[0][2]}: embedding, head, loss)"
+    )
 
 
 def _step_time(model: nn.Module, inputs: Any, loss_fn: Any, plan: remat.Plan | None) -> float:
@@ -89,8 +100,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--fine", action="store_true", help="also profile and plan with policy full-fine")
     ap.add_argument("--set", type=_option, action="append", default=[], help="a zoo option, e.g. layers=4")
-    ap.add_argument("--at", type=float, action="append", default=[],
-                    help="also a budget in MiB (e.g. 58.7: rotor's point on the conv chain in issue #19)")
+    ap.add_argument(
+        "--at",
+        type=float,
+        action="append",
+        default=[],
+        help="also a budget in MiB (e.g. 58.7: rotor's point on the conv chain in issue #19)",
+    )
     args = ap.parse_args()
     title, model, inputs, loss_fn = _setup(args.model, dict(args.set))
     start = time.perf_counter()
@@ -101,18 +117,34 @@ def main() -> None:
     one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     all_full = prof.predict_peak({b.name: "full" for b in prof.blocks})
     lowest = remat.plan(prof, strategy="none").min_peak_bytes  # the nested floor where nesting applies
-    nested = "nested floor" if nested_floor(prof) is not None else f"no nested view (not a chain of <= {MAX_BLOCKS} blocks)"
+    nested = (
+        "nested floor" if nested_floor(prof) is not None else f"no nested view (not a chain of <= {MAX_BLOCKS} blocks)"
+    )
     fine = prof.predict_peak({b.name: "full-fine" for b in prof.blocks}) if args.fine else None
     fine_text = "" if fine is None else f"every block full-fine {fine / base:.3f}; "
-    print(f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks; profiled in {profiled:.1f} s "
-          f"({profiled / prof.step_time_s:.1f} steps of {prof.step_time_s:.3f} s). Peak without "
-          f"checkpointing {base / 2**20:.1f} MiB; every block full {all_full / base:.3f}; "
-          f"{fine_text}one-level floor "
-          f"{one_level / base:.3f}; lowest {lowest / base:.3f} ({nested})")
-    for policy in ("full", "full-fine")[:1 + args.fine]:
+    print(
+        f"{title}; torch {torch.__version__}, {prof.device}, {len(prof.blocks)} blocks; profiled in {profiled:.1f} s "
+        f"({profiled / prof.step_time_s:.1f} steps of {prof.step_time_s:.3f} s). Peak without "
+        f"checkpointing {base / 2**20:.1f} MiB; every block full {all_full / base:.3f}; "
+        f"{fine_text}one-level floor "
+        f"{one_level / base:.3f}; lowest {lowest / base:.3f} ({nested})"
+    )
+    for policy in ("full", "full-fine")[: 1 + args.fine]:
         print(_where(prof, policy))
-    marks = {1.0, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, all_full / base, one_level / base, (lowest + 1) / base,
-             *(() if fine is None else (fine / base,)), *(mib * 2**20 / base for mib in args.at)}
+    marks = {
+        1.0,
+        0.8,
+        0.7,
+        0.6,
+        0.5,
+        0.45,
+        0.4,
+        all_full / base,
+        one_level / base,
+        (lowest + 1) / base,
+        *(() if fine is None else (fine / base,)),
+        *(mib * 2**20 / base for mib in args.at),
+    }
     fractions = sorted((f for f in marks if f * base >= lowest), reverse=True)
     rows = []
     for f in fractions:
@@ -131,9 +163,11 @@ def main() -> None:
     ref = statistics.median(times[0])
     for (f, plan, measured), t in zip(rows, times[1:]):
         ratios = [a / b for a, b in zip(t, times[0])]
-        print(f"| {f:.3f} | {measured / 2**20:.1f} ({measured / base:.3f}) | {plan.predicted_peak_bytes / 2**20:.1f} | "
-              f"{(plan.predicted_peak_bytes - measured) / measured:+.2%} | {len(plan.segments)} | "
-              f"{statistics.median(t) / ref:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+        print(
+            f"| {f:.3f} | {measured / 2**20:.1f} ({measured / base:.3f}) | {plan.predicted_peak_bytes / 2**20:.1f} | "
+            f"{(plan.predicted_peak_bytes - measured) / measured:+.2%} | {len(plan.segments)} | "
+            f"{statistics.median(t) / ref:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
 
 
 if __name__ == "__main__":

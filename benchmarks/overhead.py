@@ -28,7 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint as torch_checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import remat
 from remat.bench._gpu_truth import autocast_forward
@@ -38,18 +39,27 @@ from remat.zoo import build
 
 CPU_CONFIGS = {
     "gpt2-tiny": ("gpt2", dict(layers=4, hidden=64, heads=4, vocab=256, batch=1, seq=32)),
-    "llama-tiny": ("llama", dict(layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=256, batch=1, seq=32)),
+    "llama-tiny": (
+        "llama",
+        dict(layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=256, batch=1, seq=32),
+    ),
     "gpt2-small": ("gpt2", dict(layers=4, hidden=256, heads=4, vocab=1024, batch=2, seq=128)),
-    "llama-small": ("llama", dict(layers=4, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=1024, batch=2,
-                                  seq=128)),
+    "llama-small": (
+        "llama",
+        dict(layers=4, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=1024, batch=2, seq=128),
+    ),
 }
 #: The rows of issue #16's H100 table.
 CUDA_CONFIGS = {
     "gpt2-12x768": ("gpt2", dict(layers=12, hidden=768, heads=12, vocab=50257, batch=8, seq=1024)),
-    "llama-16x2048": ("llama", dict(layers=16, hidden=2048, intermediate=5632, heads=16, kv_heads=8, vocab=32000,
-                                    batch=2, seq=2048)),
-    "llama-4x1024": ("llama", dict(layers=4, hidden=1024, intermediate=2816, heads=8, kv_heads=4, vocab=8192, batch=2,
-                                   seq=1024)),
+    "llama-16x2048": (
+        "llama",
+        dict(layers=16, hidden=2048, intermediate=5632, heads=16, kv_heads=8, vocab=32000, batch=2, seq=2048),
+    ),
+    "llama-4x1024": (
+        "llama",
+        dict(layers=4, hidden=1024, intermediate=2816, heads=8, kv_heads=4, vocab=8192, batch=2, seq=1024),
+    ),
 }
 CANDIDATES = ("keep", "remat full", "torch full", "remat selective", "remat selective (ops)", "torch SAC")
 
@@ -80,8 +90,9 @@ def _install(blocks: list[torch.nn.Module], candidate: str) -> None:
         elif candidate == "remat selective":
             remat.wrap(block, policy="selective")
         elif candidate == "remat selective (ops)":
-            block.forward = functools.partial(remat.checkpoint, type(block).forward.__get__(block),
-                                              policy=sorted(SAVE_OPS, key=str))
+            block.forward = functools.partial(
+                remat.checkpoint, type(block).forward.__get__(block), policy=sorted(SAVE_OPS, key=str)
+            )
         elif candidate == "torch full":
             block.forward = _TorchForward(block, None)
         elif candidate == "torch SAC":
@@ -104,8 +115,9 @@ def _timer(zoo: Any, blocks: list[torch.nn.Module], candidate: str, cuda: bool) 
     return step
 
 
-def measure_config(name: str, zoo_name: str, opts: dict[str, Any], *, bf16: bool, cuda: bool, rounds: int,
-                   steps: int) -> str:
+def measure_config(
+    name: str, zoo_name: str, opts: dict[str, Any], *, bf16: bool, cuda: bool, rounds: int, steps: int
+) -> str:
     zoo = build(zoo_name, **opts)
     device = "cuda" if cuda else "cpu"
     zoo.model.to(device)
@@ -166,8 +178,12 @@ def main() -> None:
         zoo_name, opts = configs[name]
         opts = {**opts, **overrides.get(zoo_name, {})}
         for dtype in args.dtypes:
-            print(measure_config(name, zoo_name, opts, bf16=dtype == "bf16", cuda=args.cuda, rounds=args.rounds,
-                                 steps=args.steps), flush=True)
+            print(
+                measure_config(
+                    name, zoo_name, opts, bf16=dtype == "bf16", cuda=args.cuda, rounds=args.rounds, steps=args.steps
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

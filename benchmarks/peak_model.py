@@ -25,8 +25,16 @@ from remat.zoo import build, names
 QUICK = {
     "seed-cifar": {"batch": 32},
     "gpt2": {"layers": 3, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
-    "llama": {"layers": 3, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
-              "batch": 2},
+    "llama": {
+        "layers": 3,
+        "hidden": 64,
+        "intermediate": 172,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 512,
+        "seq": 64,
+        "batch": 2,
+    },
     "vit": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "image": 32, "patch": 8, "classes": 10},
     "resnet50": {"image": 32, "batch": 2},
 }  # resnet50 quick keeps the full 3-4-6-3 layout (16 blocks) on small images
@@ -35,8 +43,12 @@ QUICK = {
 def assignments(blocks: list[str]) -> dict[str, dict[str, str]]:
     rng = random.Random(0)
     mixed = {b: rng.choice(["keep", "selective", "full"]) for b in blocks}
-    return {"none": {}, "all full": {b: "full" for b in blocks}, "all selective": {b: "selective" for b in blocks},
-            "mixed": mixed}
+    return {
+        "none": {},
+        "all full": {b: "full" for b in blocks},
+        "all selective": {b: "selective" for b in blocks},
+        "mixed": mixed,
+    }
 
 
 def measured_peak(zoo, assignment: dict[str, str]) -> int:
@@ -54,8 +66,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", nargs="*", default=names())
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
-          f"{'quick sizes' if args.quick else 'zoo defaults'}\n")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{'quick sizes' if args.quick else 'zoo defaults'}\n"
+    )
     print("| model | assignment | predicted | measured | error | fake-tensor predicted | fake error |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models:
@@ -68,8 +82,11 @@ def main() -> None:
         for label, assignment in assignments(blocks).items():
             predicted, measured = prof.predict_peak(assignment), measured_peak(zoo, assignment)
             faked = fake.predict_peak(assignment)
-            print(f"| {name} ({len(blocks)} blocks) | {label} | {human_bytes(predicted)} | {human_bytes(measured)} | "
-                  f"{(predicted - measured) / measured:+.2%} | {human_bytes(faked)} | {(faked - measured) / measured:+.2%} |")
+            print(
+                f"| {name} ({len(blocks)} blocks) | {label} | {human_bytes(predicted)} | {human_bytes(measured)} | "
+                f"{(predicted - measured) / measured:+.2%} | {human_bytes(faked)} | "
+                f"{(faked - measured) / measured:+.2%} |"
+            )
         print(f"<!-- {name}: profile took {took:.1f} s -->")
 
 

@@ -33,8 +33,11 @@ def main() -> None:
             start = time.perf_counter()
             remat.plan(prof, max(budget, (first.min_peak_bytes + 1) / base))
             later.append(time.perf_counter() - start)
-        print(f"| {n} | {'yes' if n <= MAX_BLOCKS else 'no'} | {one_level / base:.3f} | "
-              f"{first.min_peak_bytes / base:.3f} | {first_s:.2f} s | {statistics.median(later):.2f} s |", flush=True)
+        print(
+            f"| {n} | {'yes' if n <= MAX_BLOCKS else 'no'} | {one_level / base:.3f} | "
+            f"{first.min_peak_bytes / base:.3f} | {first_s:.2f} s | {statistics.median(later):.2f} s |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -67,11 +67,15 @@ def main() -> None:
     measured = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
     checkpointed = sum(policy != "keep" for policy in plan.assignment.values())
     print(f"HeavyModel {loops}x{ops} = {loops * ops} ops, torch {torch.__version__}, CPU")
-    print(f"one plain step: {one_step:.3f} s; peak without checkpointing: {base} bytes "
-          f"(plan's baseline {plan.baseline_peak_bytes})")
-    print(f"plan: {checkpointed} of {len(plan.assignment)} segments checkpointed, {len(plan.segments)} nested; "
-          f"predicted {plan.predicted_peak_bytes} bytes ({plan.predicted_peak_bytes / base:.3f} of the peak), "
-          f"measured {measured} ({measured / base:.3f}); predicted/measured {plan.predicted_peak_bytes / measured:.4f}")
+    print(
+        f"one plain step: {one_step:.3f} s; peak without checkpointing: {base} bytes "
+        f"(plan's baseline {plan.baseline_peak_bytes})"
+    )
+    print(
+        f"plan: {checkpointed} of {len(plan.assignment)} segments checkpointed, {len(plan.segments)} nested; "
+        f"predicted {plan.predicted_peak_bytes} bytes ({plan.predicted_peak_bytes / base:.3f} of the peak), "
+        f"measured {measured} ({measured / base:.3f}); predicted/measured {plan.predicted_peak_bytes / measured:.4f}"
+    )
     print(f"loss and gradients torch.equal to no checkpointing: {equal}")
     print(f"remat.auto: {auto_s:.1f} s = {auto_s / one_step:.0f} plain steps")
 

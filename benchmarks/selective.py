@@ -24,12 +24,33 @@ from remat.zoo import build
 
 MODELS = {
     "gpt2 tiny (2x64, 1x32)": ("gpt2", {"layers": 2, "hidden": 64, "heads": 2, "vocab": 256, "seq": 32, "batch": 1}),
-    "gpt2 small (4x128, 2x64)": ("gpt2", {"layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seq": 64,
-                                          "batch": 2}),
-    "llama tiny (2x64, 1x32)": ("llama", {"layers": 2, "hidden": 64, "intermediate": 172, "heads": 2,
-                                          "kv_heads": 1, "vocab": 256, "seq": 32, "batch": 1}),
-    "llama small (4x128, 2x64)": ("llama", {"layers": 4, "hidden": 128, "intermediate": 344, "heads": 4,
-                                            "kv_heads": 2, "vocab": 512, "seq": 64, "batch": 2}),
+    "gpt2 small (4x128, 2x64)": ("gpt2", {"layers": 4, "hidden": 128, "heads": 4, "vocab": 512, "seq": 64, "batch": 2}),
+    "llama tiny (2x64, 1x32)": (
+        "llama",
+        {
+            "layers": 2,
+            "hidden": 64,
+            "intermediate": 172,
+            "heads": 2,
+            "kv_heads": 1,
+            "vocab": 256,
+            "seq": 32,
+            "batch": 1,
+        },
+    ),
+    "llama small (4x128, 2x64)": (
+        "llama",
+        {
+            "layers": 4,
+            "hidden": 128,
+            "intermediate": 344,
+            "heads": 4,
+            "kv_heads": 2,
+            "vocab": 512,
+            "seq": 64,
+            "batch": 2,
+        },
+    ),
 }
 SETUPS = ("keep", "full", "selective (op-level)", "selective (by module)")
 
@@ -55,9 +76,12 @@ def _candidates(zoo: Any) -> dict[str, tuple[Any, Any]]:
 
         return on, off
 
-    return {"keep": wrapping("keep"), "full": wrapping("full"),
-            "selective (op-level)": wrapping("selective", op_level=True),
-            "selective (by module)": wrapping("selective")}
+    return {
+        "keep": wrapping("keep"),
+        "full": wrapping("full"),
+        "selective (op-level)": wrapping("selective", op_level=True),
+        "selective (by module)": wrapping("selective"),
+    }
 
 
 def run(label: str, name: str, options: dict[str, int], rounds: int) -> dict[str, tuple[float, int]]:

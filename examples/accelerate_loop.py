@@ -22,8 +22,18 @@ import remat
 
 
 def tiny_gpt2(layers: int, seq: int) -> GPT2LMHeadModel:
-    config = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=seq, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=layers,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=seq,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -69,8 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         losses.append(loss.item())
     result = {"losses": losses}
     if plan is not None:
-        result.update(checkpointed=plan.checkpointed, budget_bytes=plan.budget_bytes,
-                      measured_peak_bytes=plan.measured_peak_bytes)
+        result.update(
+            checkpointed=plan.checkpointed, budget_bytes=plan.budget_bytes, measured_peak_bytes=plan.measured_peak_bytes
+        )
     print(json.dumps(result))
     return result
 

@@ -38,8 +38,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_and_batch(args: argparse.Namespace, rank: int) -> tuple[nn.Module, dict, list[str]]:
-    sizes = {"layers": args.layers, "hidden": args.hidden, "heads": 4, "vocab": 1024, "seq": args.seq,
-             "batch": args.batch}
+    sizes = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": 4,
+        "vocab": 1024,
+        "seq": args.seq,
+        "batch": args.batch,
+    }
     zoo = build("gpt2", **sizes, seed=0)  # identical weights on every rank
     ids = torch.randint(0, sizes["vocab"], (args.batch, args.seq), generator=torch.Generator().manual_seed(1 + rank))
     return zoo.model, {"input_ids": ids, "labels": ids.clone()}, list(zoo.blocks)  # each rank its own data
@@ -80,8 +86,12 @@ def main() -> None:
     if rank == 0:
         print(f"{'FSDP2' if fsdp else 'DDP'} on {world} ranks. {plan.summary()}", flush=True)
     peak = remat.measure(model, batch, warmup=1, repeat=1).peak_bytes
-    report([f"rank {rank}: peak {peak / 2**20:.2f} MiB measured, {plan.predicted_peak_bytes / 2**20:.2f} MiB "
-            f"predicted, budget {plan.budget_bytes / 2**20:.2f} MiB"])
+    report(
+        [
+            f"rank {rank}: peak {peak / 2**20:.2f} MiB measured, {plan.predicted_peak_bytes / 2**20:.2f} MiB "
+            f"predicted, budget {plan.budget_bytes / 2**20:.2f} MiB"
+        ]
+    )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):

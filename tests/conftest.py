@@ -15,8 +15,16 @@ import remat
 SMALL = {
     "seed-cifar": {"batch": 16},
     "gpt2": {"layers": 3, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
-    "llama": {"layers": 3, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
-              "batch": 2},
+    "llama": {
+        "layers": 3,
+        "hidden": 64,
+        "intermediate": 172,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 512,
+        "seq": 64,
+        "batch": 2,
+    },
 }
 
 
@@ -130,8 +138,11 @@ class Untouched:
 
         self.model, self.before, self.keys = model, capture(model), list(model.state_dict())
         self.forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
-        self.caches = {n: m.config.use_cache for n, m in model.named_modules() if hasattr(m, "config")
-                       and hasattr(m.config, "use_cache")}
+        self.caches = {
+            n: m.config.use_cache
+            for n, m in model.named_modules()
+            if hasattr(m, "config") and hasattr(m.config, "use_cache")
+        }
 
     def check(self):
         from remat.core._state import capture
@@ -176,8 +187,9 @@ def tensor_parallel(model, mesh):
 
     for block in model.modules():
         if isinstance(block, TensorParallelBlock):
-            parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(),
-                                             "down": RowwiseParallel()})
+            parallelize_module(
+                block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+            )
     return model
 
 
@@ -207,7 +219,8 @@ class Interruptible(nn.Module):
     def __init__(self, at=None):
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2)) for _ in range(3))
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2)) for _ in range(3)
+        )
         self.blocks[2].eval()
         self.blocks[0][0].bias.requires_grad_(False)
         self.blocks[0][0].weight.grad = torch.ones(8, 8)
@@ -238,8 +251,11 @@ class UntouchedByCtrlC(Untouched):
 
     def _hooks(self):
         module = torch.nn.modules.module
-        return ([(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in self.model.modules()],
-                dict(module._global_forward_pre_hooks), dict(module._global_forward_hooks))
+        return (
+            [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in self.model.modules()],
+            dict(module._global_forward_pre_hooks),
+            dict(module._global_forward_hooks),
+        )
 
     def check(self, call):
         with pytest.raises(KeyboardInterrupt):

@@ -46,8 +46,21 @@ def test_every_public_name_is_what_it_was():
     for name in PUBLIC:
         assert hasattr(remat, name), name
     # The wings do not shadow the functions of the same name.
-    for name in ("apply", "auto", "checkpoint", "doctor", "is_recomputing", "is_wrapped", "measure", "parse_budget",
-                 "plan", "profile", "remove", "unwrap", "wrap"):
+    for name in (
+        "apply",
+        "auto",
+        "checkpoint",
+        "doctor",
+        "is_recomputing",
+        "is_wrapped",
+        "measure",
+        "parse_budget",
+        "plan",
+        "profile",
+        "remove",
+        "unwrap",
+        "wrap",
+    ):
         assert inspect.isfunction(getattr(remat, name)), name
     for name in ("DoctorReport", "Finding", "BlockProfile", "Measurement", "Plan", "Profile", "RematError"):
         assert inspect.isclass(getattr(remat, name)), name
@@ -65,8 +78,17 @@ def test_public_modules_import_by_their_names():
     assert callable(build) and callable(names) and callable(options) and inspect.isclass(ZooModel)
     assert inspect.isclass(SeedCifarCNN)
     assert callable(remat.cli.main)
-    assert set(remat.bench.__all__) == {"BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch",
-                                        "plot_timeline", "run_bench", "search_max", "QUICK"}
+    assert set(remat.bench.__all__) == {
+        "BenchReport",
+        "BenchRow",
+        "MaxBatchResult",
+        "bench_model",
+        "max_batch",
+        "plot_timeline",
+        "run_bench",
+        "search_max",
+        "QUICK",
+    }
     assert all(hasattr(remat.bench, n) for n in remat.bench.__all__)
     import remat.integrations
 
@@ -83,8 +105,10 @@ def test_entry_point_is_remat_cli_main():
 
 
 def test_import_remat_stays_light():
-    code = ("import sys, remat; heavy = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'rich', "
-            "'matplotlib', 'lightning', 'pytorch_lightning', 'accelerate') "
-            "or m.startswith(('remat.cli', 'remat.bench', 'remat.zoo', 'remat.integrations'))]; print(heavy)")
+    code = (
+        "import sys, remat; heavy = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'rich', "
+        "'matplotlib', 'lightning', 'pytorch_lightning', 'accelerate') "
+        "or m.startswith(('remat.cli', 'remat.bench', 'remat.zoo', 'remat.integrations'))]; print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

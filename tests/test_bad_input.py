@@ -8,11 +8,10 @@ import json
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
+from conftest import Untouched
 from torch import nn
 
 import remat
-
-from conftest import Untouched
 
 
 class Net(nn.Module):
@@ -21,7 +20,8 @@ class Net(nn.Module):
     def __init__(self, fail_in=None, output="tensor"):
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Tanh()) for _ in range(3))
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Tanh()) for _ in range(3)
+        )
         self.fail_in, self.output = fail_in, output
 
     def forward(self, x):
@@ -73,84 +73,181 @@ def _apply_to_submodule(model):
 CASES = {
     # torch.utils.checkpoint options
     "an option of torch's remat does not know": (
-        _net, lambda m: remat.checkpoint(m, X, policy="selective", respect_saved_tensors_hooks="yes"),
-        ["respect_saved_tensors_hooks", "'yes'", "True, False or None"]),
-    "determinism_check typo": (_net, lambda m: remat.checkpoint(m, X, determinism_check="defualt"),
-                               ["'defualt'", "('default', 'none')"]),
-    "context_fn not callable": (_net, lambda m: remat.checkpoint(m, X, context_fn=("a", "b")),
-                                ["got tuple", "create_selective_checkpoint_contexts"]),
+        _net,
+        lambda m: remat.checkpoint(m, X, policy="selective", respect_saved_tensors_hooks="yes"),
+        ["respect_saved_tensors_hooks", "'yes'", "True, False or None"],
+    ),
+    "determinism_check typo": (
+        _net,
+        lambda m: remat.checkpoint(m, X, determinism_check="defualt"),
+        ["'defualt'", "('default', 'none')"],
+    ),
+    "context_fn not callable": (
+        _net,
+        lambda m: remat.checkpoint(m, X, context_fn=("a", "b")),
+        ["got tuple", "create_selective_checkpoint_contexts"],
+    ),
     "policy and selective context_fn": (
-        _net, lambda m: remat.checkpoint(m, X, policy="selective", context_fn=functools.partial(
-            tuc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])),
-        ["policy='selective'", "Pass one"]),
+        _net,
+        lambda m: remat.checkpoint(
+            m,
+            X,
+            policy="selective",
+            context_fn=functools.partial(tuc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default]),
+        ),
+        ["policy='selective'", "Pass one"],
+    ),
     "early_stop not a bool": (_net, lambda m: remat.checkpoint(m, X, early_stop="no"), ["'no'", "True, False or None"]),
     "checkpoint a non-callable": (_net, lambda m: remat.checkpoint(m.state_dict(), X), ["callable", "OrderedDict"]),
     "unknown policy": (_net, lambda m: remat.checkpoint(m, X, policy="most"), ["'most'", "'selective'"]),
     # budgets
-    **{f"budget {b!r}": (_net, functools.partial(lambda b, m: remat.auto(m, X, b, **PROFILE), b), [repr(b), "'50%'"])
-       for b in (1.5, "1.5", 2, "2", -1, 0, float("nan"), float("inf"), "-0.5", "20GiBs", "80 percent", "0.5.1",
-                 "", "101%", True, None, [0.5], "1/2")},
+    **{
+        f"budget {b!r}": (_net, functools.partial(lambda b, m: remat.auto(m, X, b, **PROFILE), b), [repr(b), "'50%'"])
+        for b in (
+            1.5,
+            "1.5",
+            2,
+            "2",
+            -1,
+            0,
+            float("nan"),
+            float("inf"),
+            "-0.5",
+            "20GiBs",
+            "80 percent",
+            "0.5.1",
+            "",
+            "101%",
+            True,
+            None,
+            [0.5],
+            "1/2",
+        )
+    },
     # plans read from JSON
     "from_json(None)": (_net, lambda m: remat.Plan.from_json(None), ["NoneType", "read_text"]),
     "from_json of a dict": (_net, lambda m: remat.Plan.from_json(json.loads(_plan_json())), ["dict", "JSON text"]),
-    "assignment as a list": (_net, lambda m: remat.Plan.from_json(_edited(assignment=["blocks.0"])),
-                             ["'assignment'", "['blocks.0']", "block name -> policy"]),
-    "bytes as words": (_net, lambda m: remat.Plan.from_json(_edited(predicted_peak_bytes="lots")),
-                       ["'predicted_peak_bytes'", "'lots'", "non-negative an integer"]),
+    "assignment as a list": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(assignment=["blocks.0"])),
+        ["'assignment'", "['blocks.0']", "block name -> policy"],
+    ),
+    "bytes as words": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(predicted_peak_bytes="lots")),
+        ["'predicted_peak_bytes'", "'lots'", "non-negative an integer"],
+    ),
     "negative bytes": (_net, lambda m: remat.Plan.from_json(_edited(min_peak_bytes=-3)), ["'min_peak_bytes'", "-3"]),
-    "null overhead": (_net, lambda m: remat.Plan.from_json(_edited(predicted_overhead=None)),
-                      ["'predicted_overhead'", "None", "a number"]),
-    "training as text": (_net, lambda m: remat.Plan.from_json(_edited(training="yes")),
-                         ["'training'", "'yes'", "true or false or null"]),
-    "segments as a word": (_net, lambda m: remat.Plan.from_json(_edited(segments="all")),
-                           ["'segments'", "'all'", "[first block, last block]"]),
-    "execution unknown": (_net, lambda m: remat.Plan.from_json(_edited(execution="jit")),
-                          ["'execution'", "'jit'", '"compiled"']),
-    "unknown policy in a plan": (_net, lambda m: remat.Plan.from_json(_edited(assignment={"blocks.0": "half"})),
-                                 ["'half'", "keep, selective, selective-ops, full or full-fine"]),
-    "plan names the root": (_net, lambda m: remat.Plan.from_json(_edited(assignment={"": "full"})),
-                            ["root module ''", "Name the blocks"]),
-    "plan nests blocks": (_net, lambda m: remat.Plan.from_json(
-        _edited(assignment={"blocks.0": "full", "blocks.0.0": "keep"})), ["'blocks.0.0' is inside block 'blocks.0'",
-                                                                         "Name either"]),
-    "missing field": (_net, lambda m: remat.Plan.from_json(_edited(model=None) .replace('"model": null,', "")),
-                      ["missing ['model']"]),
+    "null overhead": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(predicted_overhead=None)),
+        ["'predicted_overhead'", "None", "a number"],
+    ),
+    "training as text": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(training="yes")),
+        ["'training'", "'yes'", "true or false or null"],
+    ),
+    "segments as a word": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(segments="all")),
+        ["'segments'", "'all'", "[first block, last block]"],
+    ),
+    "execution unknown": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(execution="jit")),
+        ["'execution'", "'jit'", '"compiled"'],
+    ),
+    "unknown policy in a plan": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(assignment={"blocks.0": "half"})),
+        ["'half'", "keep, selective, selective-ops, full or full-fine"],
+    ),
+    "plan names the root": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(assignment={"": "full"})),
+        ["root module ''", "Name the blocks"],
+    ),
+    "plan nests blocks": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(assignment={"blocks.0": "full", "blocks.0.0": "keep"})),
+        ["'blocks.0.0' is inside block 'blocks.0'", "Name either"],
+    ),
+    "missing field": (
+        _net,
+        lambda m: remat.Plan.from_json(_edited(model=None).replace('"model": null,', "")),
+        ["missing ['model']"],
+    ),
     # plans put on models
-    "plan for another class": (lambda: Other().train(), lambda m: remat.apply(m, _plan()),
-                               ["made for a Net", "this model is a Other", "plan again"]),
+    "plan for another class": (
+        lambda: Other().train(),
+        lambda m: remat.apply(m, _plan()),
+        ["made for a Net", "this model is a Other", "plan again"],
+    ),
     "plan for another size": (lambda: nn.Sequential(), lambda m: remat.apply(m, _plan()), ["made for a Net"]),
     "plan applied to a part": (_net, _apply_to_submodule, ["made for a Net", "ModuleList", "not to a part of it"]),
-    "plan for another configuration": (_net, lambda m: remat.apply(m, remat.Plan.from_json(_edited(parameters=7))),
-                                       ["7 parameters", f"this one has {3 * (8 * 8 + 8 + 2 * 8)}", "plan again"]),
-    "plan names a lone Linear": (_net, lambda m: remat.apply(m, remat.Plan.from_json(
-        _edited(assignment={"blocks.0.0": "full", "blocks.1": "keep", "blocks.2": "keep"}))),
-        ["'blocks.0.0' is a lone Linear", "saves nothing", "('blocks.0')"]),
+    "plan for another configuration": (
+        _net,
+        lambda m: remat.apply(m, remat.Plan.from_json(_edited(parameters=7))),
+        ["7 parameters", f"this one has {3 * (8 * 8 + 8 + 2 * 8)}", "plan again"],
+    ),
+    "plan names a lone Linear": (
+        _net,
+        lambda m: remat.apply(
+            m, remat.Plan.from_json(_edited(assignment={"blocks.0.0": "full", "blocks.1": "keep", "blocks.2": "keep"}))
+        ),
+        ["'blocks.0.0' is a lone Linear", "saves nothing", "('blocks.0')"],
+    ),
     "apply something else": (_net, lambda m: remat.apply(m, json.loads(_plan_json())), ["got dict", "remat.plan"]),
-    "profile blocks a lone layer": (_net, lambda m: remat.profile(m, X, blocks=["blocks.1.1"], **PROFILE),
-                                    ["'blocks.1.1' is a lone BatchNorm1d", "Name the module that contains it"]),
-    "profile nested blocks": (_net, lambda m: remat.profile(m, X, blocks=["blocks", "blocks.1"], **PROFILE),
-                              ["'blocks.1' is inside block 'blocks'"]),
+    "profile blocks a lone layer": (
+        _net,
+        lambda m: remat.profile(m, X, blocks=["blocks.1.1"], **PROFILE),
+        ["'blocks.1.1' is a lone BatchNorm1d", "Name the module that contains it"],
+    ),
+    "profile nested blocks": (
+        _net,
+        lambda m: remat.profile(m, X, blocks=["blocks", "blocks.1"], **PROFILE),
+        ["'blocks.1' is inside block 'blocks'"],
+    ),
     "plan of a non-profile": (_net, lambda m: remat.plan(m, 0.5), ["got Net", "remat.profile"]),
     # models and inputs
     "profile a function": (_net, lambda m: remat.profile(m.forward, X), ["got method", "wrap it in an nn.Module"]),
     "measure a state_dict": (_net, lambda m: remat.measure(m.state_dict(), X), ["OrderedDict", "torch.nn.Module"]),
     "auto a lambda": (_net, lambda m: remat.auto(lambda x: m(x), X, 0.5), ["got function", "nn.Module"]),
     "wrap a function": (_net, lambda m: remat.wrap(m.forward), ["expected an nn.Module", "method"]),
-    "inputs on another device": (_net, lambda m: remat.profile(m, X.to("meta"), **PROFILE),
-                                 ["parameters are on cpu", "input tensor is on meta", ".to('cpu')"]),
+    "inputs on another device": (
+        _net,
+        lambda m: remat.profile(m, X.to("meta"), **PROFILE),
+        ["parameters are on cpu", "input tensor is on meta", ".to('cpu')"],
+    ),
     "measure inputs on another device": (_net, lambda m: remat.measure(m, (X.to("meta"),)), ["on meta"]),
     "forward returns None": (lambda: _net(output="none"), lambda m: remat.measure(m, X), ["got NoneType", "loss_fn="]),
-    "forward returns integers": (lambda: _net(output="ints"), lambda m: remat.profile(m, X, **PROFILE),
-                                 ["no floating-point tensor", "loss_fn="]),
+    "forward returns integers": (
+        lambda: _net(output="ints"),
+        lambda m: remat.profile(m, X, **PROFILE),
+        ["no floating-point tensor", "loss_fn="],
+    ),
     "loss_fn not a scalar": (_net, lambda m: remat.measure(m, X, loss_fn=lambda out: out), ["got (4, 8)", ".mean()"]),
-    "error in block 1 (profile)": (lambda: _net(fail_in=1), lambda m: remat.profile(m, X, **PROFILE),
-                                   ["raised RuntimeError", "during a profiled step", "The model was restored"]),
-    "error in block 1 (auto)": (lambda: _net(fail_in=1), lambda m: remat.auto(m, X, 0.9, **PROFILE),
-                                ["remat.profile", "raised RuntimeError"]),
-    "error in a wrapped block (measure)": (lambda: _wrapped(_net(fail_in=None)), lambda m: remat.measure(m, X),
-                                           ["in block 'blocks.1'", "module 'blocks.1.0'", "raised ValueError", ": bad weights"]),
-    "no blocks (ALBERT)": (lambda: _albert(), lambda m: remat.profile(m, {"input_ids": IDS}, **PROFILE),
-                           ["found no blocks in AlbertModel", "blocks=['encoder.albert_layer_groups.0']"]),
+    "error in block 1 (profile)": (
+        lambda: _net(fail_in=1),
+        lambda m: remat.profile(m, X, **PROFILE),
+        ["raised RuntimeError", "during a profiled step", "The model was restored"],
+    ),
+    "error in block 1 (auto)": (
+        lambda: _net(fail_in=1),
+        lambda m: remat.auto(m, X, 0.9, **PROFILE),
+        ["remat.profile", "raised RuntimeError"],
+    ),
+    "error in a wrapped block (measure)": (
+        lambda: _wrapped(_net(fail_in=None)),
+        lambda m: remat.measure(m, X),
+        ["in block 'blocks.1'", "module 'blocks.1.0'", "raised ValueError", ": bad weights"],
+    ),
+    "no blocks (ALBERT)": (
+        lambda: _albert(),
+        lambda m: remat.profile(m, {"input_ids": IDS}, **PROFILE),
+        ["found no blocks in AlbertModel", "blocks=['encoder.albert_layer_groups.0']"],
+    ),
     "doctor a function": (_net, lambda m: remat.doctor(m.forward, X), ["nn.Module", "method"]),
 }
 
@@ -160,8 +257,15 @@ IDS = torch.randint(0, 64, (2, 8))
 def _albert():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = tf.AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=3,
-                             num_attention_heads=2, intermediate_size=64, max_position_embeddings=16)
+    config = tf.AlbertConfig(
+        vocab_size=64,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
     return tf.AlbertModel(config).train()
 
 
@@ -181,8 +285,10 @@ def test_a_failure_in_recomputation_names_step_and_block_and_is_a_runtime_error(
         remat.measure(model, X)
     assert isinstance(info.value, remat.RecomputeError) and isinstance(info.value.__cause__, KeyError)
     message = str(info.value)
-    assert message.startswith("remat.measure: recomputation in block 'blocks.2' (module 'blocks.2.0') failed during "
-                              "a measured step: remat.checkpoint: Sequential.forward failed when rerun"), message
+    assert message.startswith(
+        "remat.measure: recomputation in block 'blocks.2' (module 'blocks.2.0') failed during "
+        "a measured step: remat.checkpoint: Sequential.forward failed when rerun"
+    ), message
     assert "remat.is_recomputing()" in message
     untouched.check()
 
@@ -218,7 +324,9 @@ def test_bad_input_is_a_clear_error_and_leaves_the_model_untouched(case):
 
 def test_a_model_error_keeps_the_original_as_cause():
     model = _net(fail_in=2)
-    with pytest.raises(remat.RematError, match=r"in Net.forward \(outside every block\) during a profiled step") as info:
+    with pytest.raises(
+        remat.RematError, match=r"in Net.forward \(outside every block\) during a profiled step"
+    ) as info:
         remat.profile(model, X, **PROFILE)
     assert isinstance(info.value.__cause__, RuntimeError) and "[5, -1]" in str(info.value.__cause__)
 

@@ -64,8 +64,12 @@ def import_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
                     base = ".".join([*anchor, *([base] if base else [])])
                 for alias in node.names:  # ``from pkg import module`` imports that module
                     targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
-            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-                  == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 targets.add(str(node.args[0].value))
         graph[name] = {t for t in map(lambda t: _resolve(t, known), targets) if t and t != name}
     return graph
@@ -81,7 +85,7 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -105,8 +109,12 @@ def rank(module: str) -> int | None:
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{a} ({WINGS[rank(a)][0]}) imports {b} ({WINGS[rank(b)][0]})"
-                  for a, targets in graph.items() for b in targets if rank(b) > rank(a))
+    return sorted(
+        f"{a} ({WINGS[rank(a)][0]}) imports {b} ({WINGS[rank(b)][0]})"
+        for a, targets in graph.items()
+        for b in targets
+        if rank(b) > rank(a)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +162,10 @@ def test_no_issue_numbers_in_the_code():
 
     pattern = re.compile(r"\b[Ii]ssue ?#?\d+|(?<![\w&])#\d{2,}\b")
     src = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
-    found = [f"{path.relative_to(src)}:{n}" for path in sorted(src.rglob("*.py"))
-             for n, line in enumerate(path.read_text().splitlines(), 1)
-             if pattern.search(line) and "torch issue" not in line and "pytorch/issues" not in line]
+    found = [
+        f"{path.relative_to(src)}:{n}"
+        for path in sorted(src.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and "torch issue" not in line and "pytorch/issues" not in line
+    ]
     assert not found, found

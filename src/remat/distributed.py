@@ -43,7 +43,8 @@ from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._memtrack import empty_device_cache
 from remat.errors import RematError
 from remat.planning.apply import apply, device_target, remove
-from remat.planning.plan import Plan, parse_budget, plan as make_plan
+from remat.planning.plan import Plan, parse_budget
+from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._types import Profile
 from remat.profiling.profile import profile as make_profile
@@ -123,8 +124,9 @@ def plan_on_rank0(
     return Plan.from_json(payload)
 
 
-def auto(model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, group: Any = None,
-         **profile_options: Any) -> Plan:
+def auto(
+    model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, group: Any = None, **profile_options: Any
+) -> Plan:
     """:func:`remat.auto` for distributed training: the same plan applied on every rank.
 
     ``model`` is as it is trained: wrapped in ``DistributedDataParallel`` (its
@@ -135,8 +137,9 @@ def auto(model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, gro
     """
     ddp = isinstance(model, DistributedDataParallel)
     target = model.module if isinstance(model, DistributedDataParallel) else model  # narrows to DDP's module
-    check_no_double_checkpointing(target, find_blocks(target, profile_options.get("blocks")),
-                                  api="remat.distributed.auto")
+    check_no_double_checkpointing(
+        target, find_blocks(target, profile_options.get("blocks")), api="remat.distributed.auto"
+    )
     remove(target)
 
     def run() -> Profile:
@@ -158,19 +161,20 @@ def auto(model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, gro
 # profile runs out of memory, plans on the fake one (NOTE [Within the budget] in
 # remat.planning.apply). Sharded models profile inside the process group, for real:
 # fake tensors do not run FSDP's collectives.
-def _profile_within(target: nn.Module, inputs: Any, loss_fn: Any, budget: Any, ddp: bool,
-                    profile_options: dict) -> Profile:
+def _profile_within(
+    target: nn.Module, inputs: Any, loss_fn: Any, budget: Any, ddp: bool, profile_options: dict
+) -> Profile:
     options = {k: v for k, v in profile_options.items() if k not in ("warmup", "repeat")}
     try:
-        fake = make_profile(target, inputs, loss_fn, **{**options, "fake": True,
-                                                        "target": device_target(target, inputs)})
+        fake = make_profile(
+            target, inputs, loss_fn, **{**options, "fake": True, "target": device_target(target, inputs)}
+        )
     except RematError as exc:
         log.info("remat.distributed.auto: fake tensors cannot run this model (%s): profiled on real tensors.", exc)
         return make_profile(target, inputs, loss_fn, **profile_options)
     counted = _with_ddp_buckets(fake) if ddp else fake
     if counted.baseline_peak_bytes > parse_budget(budget, counted.baseline_peak_bytes):
-        log.info("remat.distributed.auto: the step without checkpointing is over the budget: planned on fake "
-                 "tensors.")
+        log.info("remat.distributed.auto: the step without checkpointing is over the budget: planned on fake tensors.")
         return fake
     try:
         return make_profile(target, inputs, loss_fn, **profile_options)

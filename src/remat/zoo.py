@@ -160,8 +160,11 @@ def _import_transformers(name: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise _fail(name, "needs the transformers package, which is not installed",
-                    "install it with pip install 'remat[models]'") from None
+        raise _fail(
+            name,
+            "needs the transformers package, which is not installed",
+            "install it with pip install 'remat[models]'",
+        ) from None
     return transformers
 
 
@@ -270,8 +273,17 @@ def _llama(
     seed: int = 0,
 ) -> ZooModel:
     """Llama (``LlamaForCausalLM``) with grouped-query attention (``kv_heads`` < ``heads``)."""
-    _check_positive("llama", layers=layers, hidden=hidden, intermediate=intermediate, heads=heads,
-                    kv_heads=kv_heads, vocab=vocab, batch=batch, seq=seq)
+    _check_positive(
+        "llama",
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        batch=batch,
+        seq=seq,
+    )
     _check_seq("llama", seq)
     _check_divides("llama", "hidden", hidden, "heads", heads)
     _check_divides("llama", "hidden // heads", hidden // heads, "2 (rotary embedding pairs)", 2)
@@ -311,8 +323,17 @@ def _vit(
     seed: int = 0,
 ) -> ZooModel:
     """ViT (``ViTForImageClassification``); ``dropout`` sets the hidden and attention dropout."""
-    _check_positive("vit", layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, image=image,
-                    patch=patch, classes=classes, batch=batch)
+    _check_positive(
+        "vit",
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        heads=heads,
+        image=image,
+        patch=patch,
+        classes=classes,
+        batch=batch,
+    )
     _check_divides("vit", "hidden", hidden, "heads", heads)
     _check_divides("vit", "image", image, "patch", patch)
     _check_classes("vit", classes)
@@ -348,14 +369,26 @@ def _resnet50(
 ) -> ZooModel:
     """ResNet (``ResNetForImageClassification``), by default ResNet-50's bottleneck layout."""
     if not isinstance(depths, (tuple, list)) or not isinstance(hidden_sizes, (tuple, list)):
-        raise _fail("resnet50", f"depths={depths!r} and hidden_sizes={hidden_sizes!r} must be sequences",
-                    "give one entry per stage, e.g. depths=(1, 1), hidden_sizes=(32, 64)")
+        raise _fail(
+            "resnet50",
+            f"depths={depths!r} and hidden_sizes={hidden_sizes!r} must be sequences",
+            "give one entry per stage, e.g. depths=(1, 1), hidden_sizes=(32, 64)",
+        )
     depths, hidden_sizes = tuple(depths), tuple(hidden_sizes)
-    _check_positive("resnet50", embedding_size=embedding_size, image=image, classes=classes, batch=batch,
-                    **{f"depths[{i}]": d for i, d in enumerate(depths)})
+    _check_positive(
+        "resnet50",
+        embedding_size=embedding_size,
+        image=image,
+        classes=classes,
+        batch=batch,
+        **{f"depths[{i}]": d for i, d in enumerate(depths)},
+    )
     if not depths or len(depths) != len(hidden_sizes):
-        raise _fail("resnet50", f"depths has {len(depths)} stages and hidden_sizes {len(hidden_sizes)}",
-                    "give one hidden size per stage, e.g. depths=(1, 1), hidden_sizes=(32, 64)")
+        raise _fail(
+            "resnet50",
+            f"depths has {len(depths)} stages and hidden_sizes {len(hidden_sizes)}",
+            "give one hidden size per stage, e.g. depths=(1, 1), hidden_sizes=(32, 64)",
+        )
     for i, size in enumerate(hidden_sizes):
         _check_positive("resnet50", **{f"hidden_sizes[{i}]": size})
         _check_divides("resnet50", f"hidden_sizes[{i}]", size, "4 (the bottleneck reduction)", 4)
@@ -405,7 +438,6 @@ def build(name: str, **options: Any) -> ZooModel:
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise RematError(
-            f"remat.zoo.build: bad options for {name!r}: {', '.join(unknown)}; "
-            f"{name!r} accepts {', '.join(accepted)}."
+            f"remat.zoo.build: bad options for {name!r}: {', '.join(unknown)}; {name!r} accepts {', '.join(accepted)}."
         )
     return builder(**options)

@@ -67,10 +67,21 @@ def _row(setup, kind, peak, ratios, budget=None):
 
     from remat.bench import BenchRow
 
-    return BenchRow(model="m", setup=setup, kind=kind, peak_bytes=peak, peak_ratio=peak / 100, time_s=1.0,
-                    time_ratio=median(ratios), grads_equal=True, buffers_equal=True, budget_bytes=budget,
-                    predicted_peak_bytes=peak if kind == "remat" else None,
-                    predicted_overhead=0.1 if kind == "remat" else None, round_ratios=tuple(ratios))
+    return BenchRow(
+        model="m",
+        setup=setup,
+        kind=kind,
+        peak_bytes=peak,
+        peak_ratio=peak / 100,
+        time_s=1.0,
+        time_ratio=median(ratios),
+        grads_equal=True,
+        buffers_equal=True,
+        budget_bytes=budget,
+        predicted_peak_bytes=peak if kind == "remat" else None,
+        predicted_overhead=0.1 if kind == "remat" else None,
+        round_ratios=tuple(ratios),
+    )
 
 
 def test_paired_difference_median_and_interval():

@@ -12,6 +12,7 @@ def _recorder(calls: list[str], name: str, seconds: float):
     def step() -> float:
         calls.append(name)
         return seconds
+
     return step
 
 
@@ -20,7 +21,7 @@ def test_every_candidate_once_per_round_in_a_seeded_shuffled_order():
     names = "abcde"
     timed = [_recorder(calls, n, i + 1.0) for i, n in enumerate(names)]
     times = interleaved_rounds(timed, warmup=2, repeat=6)
-    rounds = [calls[i:i + len(names)] for i in range(0, len(calls), len(names))]
+    rounds = [calls[i : i + len(names)] for i in range(0, len(calls), len(names))]
     assert len(rounds) == 8 and all(sorted(r) == list(names) for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1, "the order should change between rounds"
     assert times == [[i + 1.0] * 6 for i in range(len(names))]  # warm-up rounds dropped
@@ -40,8 +41,13 @@ def test_ratio_is_the_median_of_per_round_ratios():
 
 def test_progress_reports_each_round():
     seen = []
-    interleaved_rounds([lambda: 0.0], warmup=1, repeat=2, label="m: timing",
-                       progress=lambda msg, done, total: seen.append((msg, done, total)))
+    interleaved_rounds(
+        [lambda: 0.0],
+        warmup=1,
+        repeat=2,
+        label="m: timing",
+        progress=lambda msg, done, total: seen.append((msg, done, total)),
+    )
     assert seen == [("m: timing round 1/3", 1, 3), ("m: timing round 2/3", 2, 3), ("m: timing round 3/3", 3, 3)]
 
 

@@ -34,11 +34,13 @@ def test_timeline_walks_the_peak_model_and_names_the_block_that_sets_the_peak(ch
         walk = p.timeline(assignment)
         at = walk[int(t.peak_x)]
         assert at[2] == t.peak_bytes
-        assert (t.peak_block, t.peak_phase) == (at[0][1], "forward" if at[0][0] == "fwd" else "backward") \
-            or at[0][1] is None
+        assert (t.peak_block, t.peak_phase) == (at[0][1], "forward" if at[0][0] == "fwd" else "backward") or at[0][
+            1
+        ] is None
     bands = timeline_of(p, None).bands
-    assert [(b, ph) for b, ph, _, _ in bands] == [(b.name, "forward") for b in p.blocks] + \
-        [(b.name, "backward") for b in reversed(p.blocks)]
+    assert [(b, ph) for b, ph, _, _ in bands] == [(b.name, "forward") for b in p.blocks] + [
+        (b.name, "backward") for b in reversed(p.blocks)
+    ]
 
 
 def test_plot_timeline_png_shows_none_and_the_plan_with_the_budget(chain_profile, tmp_path):

@@ -6,11 +6,10 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_buffers_equal, assert_grads_equal, twin
 
 import remat
 from remat import zoo
-
-from conftest import assert_buffers_equal, assert_grads_equal, twin
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
@@ -19,12 +18,35 @@ SMALL = {
     "seed-cifar": {"batch": 8},
     "gpt2": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "batch": 2, "seq": 32},
     "gpt2-eager": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "batch": 2, "seq": 32, "attention": "eager"},
-    "llama": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 128, "batch": 2,
-              "seq": 32},
-    "vit": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "image": 32, "patch": 8, "classes": 10,
-            "batch": 2, "dropout": 0.1},
-    "resnet50": {"depths": (1, 2), "hidden_sizes": (32, 64), "embedding_size": 16, "image": 32, "classes": 10,
-                 "batch": 2},
+    "llama": {
+        "layers": 2,
+        "hidden": 64,
+        "intermediate": 128,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 128,
+        "batch": 2,
+        "seq": 32,
+    },
+    "vit": {
+        "layers": 2,
+        "hidden": 64,
+        "intermediate": 128,
+        "heads": 4,
+        "image": 32,
+        "patch": 8,
+        "classes": 10,
+        "batch": 2,
+        "dropout": 0.1,
+    },
+    "resnet50": {
+        "depths": (1, 2),
+        "hidden_sizes": (32, 64),
+        "embedding_size": 16,
+        "image": 32,
+        "classes": 10,
+        "batch": 2,
+    },
 }
 
 
@@ -108,7 +130,10 @@ def test_block_counts_follow_the_options():
     assert small("llama").blocks == ("model.layers.0", "model.layers.1")
     assert small("vit").blocks in (("vit.layers.0", "vit.layers.1"), ("vit.encoder.layer.0", "vit.encoder.layer.1"))
     assert small("resnet50").blocks == (
-        "resnet.encoder.stages.0.layers.0", "resnet.encoder.stages.1.layers.0", "resnet.encoder.stages.1.layers.1")
+        "resnet.encoder.stages.0.layers.0",
+        "resnet.encoder.stages.1.layers.0",
+        "resnet.encoder.stages.1.layers.1",
+    )
 
 
 @pytest.mark.parametrize("key", ["gpt2", "llama"])
@@ -167,8 +192,9 @@ def test_wrapping_every_block_gives_bit_equal_gradients_and_buffers(key, policy)
 
 
 def test_unknown_name_lists_the_known_names():
-    with pytest.raises(remat.RematError, match="unknown model 'gpt3'; known models: gpt2, llama, resnet50, "
-                                               "seed-cifar, vit"):
+    with pytest.raises(
+        remat.RematError, match="unknown model 'gpt3'; known models: gpt2, llama, resnet50, seed-cifar, vit"
+    ):
         zoo.build("gpt3")
 
 
@@ -185,17 +211,20 @@ def test_unknown_option_lists_the_accepted_ones():
         zoo.build("gpt2", width=64)
 
 
-@pytest.mark.parametrize(("name", "options", "message"), [
-    ("gpt2", {"hidden": 100, "heads": 8}, r"hidden=100 is not a multiple of heads=8; choose e.g. hidden=104"),
-    ("llama", {"heads": 8, "kv_heads": 3}, r"heads=8 is not a multiple of kv_heads=3"),
-    ("vit", {"image": 100, "patch": 16}, r"image=100 is not a multiple of patch=16"),
-    ("gpt2", {"batch": 0}, r"batch=0 is not a positive integer"),
-    ("llama", {"seq": 1}, r"seq=1 leaves no next token to predict"),
-    ("gpt2", {"dropout": 1.0}, r"dropout=1.0 is outside \[0, 1\)"),
-    ("llama", {"attention": "flash_attention_2"}, r"attention='flash_attention_2' is not supported"),
-    ("resnet50", {"depths": (1, 1)}, r"depths has 2 stages and hidden_sizes 4"),
-    ("vit", {"classes": 1}, r"classes=1 leaves nothing to classify"),
-])
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("gpt2", {"hidden": 100, "heads": 8}, r"hidden=100 is not a multiple of heads=8; choose e.g. hidden=104"),
+        ("llama", {"heads": 8, "kv_heads": 3}, r"heads=8 is not a multiple of kv_heads=3"),
+        ("vit", {"image": 100, "patch": 16}, r"image=100 is not a multiple of patch=16"),
+        ("gpt2", {"batch": 0}, r"batch=0 is not a positive integer"),
+        ("llama", {"seq": 1}, r"seq=1 leaves no next token to predict"),
+        ("gpt2", {"dropout": 1.0}, r"dropout=1.0 is outside \[0, 1\)"),
+        ("llama", {"attention": "flash_attention_2"}, r"attention='flash_attention_2' is not supported"),
+        ("resnet50", {"depths": (1, 1)}, r"depths has 2 stages and hidden_sizes 4"),
+        ("vit", {"classes": 1}, r"classes=1 leaves nothing to classify"),
+    ],
+)
 def test_bad_values_are_rejected_before_building(name, options, message):
     with pytest.raises(remat.RematError, match=rf"remat.zoo.build\('{name}'\): {message}"):
         zoo.build(name, **options)

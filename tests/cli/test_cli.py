@@ -28,7 +28,11 @@ _ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SRC, os.envir
 
 def run_cli(*args, timeout=600, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "remat.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        [sys.executable, "-m", "remat.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
         env=_ENV,
     )
 
@@ -165,8 +169,10 @@ def test_profile_table_fake_for_h100_and_out_file(tmp_path):
     assert prof.fake and prof.target == "h100"
     assert [b.name for b in prof.blocks] == ["cnn_block_1", "cnn_block_2", "head"]
     zoo = build("seed-cifar", batch=4)  # the CLI built it on the meta device: same bytes
-    assert prof.baseline_peak_bytes == remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True,
-                                                     target="h100").baseline_peak_bytes
+    assert (
+        prof.baseline_peak_bytes
+        == remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, target="h100").baseline_peak_bytes
+    )
 
 
 def test_profile_json_matches_the_api(gpt2_profiles):
@@ -199,14 +205,18 @@ def test_profile_verbose_says_where_the_time_went():
 def test_plan_json_matches_the_api_and_out_file_loads(tmp_path, gpt2_profiles):
     api = gpt2_profiles[0]
     out, png = tmp_path / "plan.json", tmp_path / "timeline.png"
-    data = ok_json(run_cli("plan", "gpt2", *GPT2, *FAST, "--budget", "0.9", "--out", str(out), "--plot", str(png),
-                           "--json"))
+    data = ok_json(
+        run_cli("plan", "gpt2", *GPT2, *FAST, "--budget", "0.9", "--out", str(out), "--plot", str(png), "--json")
+    )
     assert png.read_bytes()[:4] == b"\x89PNG"  # the timeline (its figures: tests/bench/test_timeline.py)
     plan = remat.Plan.from_json(out.read_text())
     assert data == json.loads(plan.to_json())  # --json prints exactly the plan file
     want = remat.plan(api, "0.9")
     assert (data["baseline_peak_bytes"], data["min_peak_bytes"], data["budget_bytes"]) == (
-        want.baseline_peak_bytes, want.min_peak_bytes, want.budget_bytes)
+        want.baseline_peak_bytes,
+        want.min_peak_bytes,
+        want.budget_bytes,
+    )
     # The solver's choice may follow timings; the peak of whatever it chose is the API's own figure.
     assert data["predicted_peak_bytes"] == api.predict_peak(plan.assignment) <= data["budget_bytes"]
     assert set(plan.assignment) == {b.name for b in api.blocks}
@@ -225,8 +235,11 @@ def test_plan_table_then_doctor_checks_the_plan_applied(tmp_path):
 def test_doctor_plot_draws_the_timeline_with_the_measured_peaks(tmp_path):
     plan, png = tmp_path / "plan.json", tmp_path / "doctor.png"
     assert run_cli("plan", "seed-cifar", "--batch", "4", *FAST, "--strategy", "all", "--out", str(plan)).returncode == 0
-    data = ok_json(run_cli("doctor", "seed-cifar", "--batch", "4", "--plan", str(plan), "--repeat", "1",
-                           "--plot", str(png), "--json"))
+    data = ok_json(
+        run_cli(
+            "doctor", "seed-cifar", "--batch", "4", "--plan", str(plan), "--repeat", "1", "--plot", str(png), "--json"
+        )
+    )
     # The whole-model plan on this tiny CNN pays nothing (warnings), but trains correctly (no errors).
     assert not [f for f in data["findings"] if f["severity"] == "error"]
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
@@ -298,8 +311,9 @@ def test_demo_json_is_one_document_with_the_variants():
 
 
 def test_max_batch_json():
-    data = ok_json(run_cli("max-batch", "seed-cifar", "--budget", "1GiB", "--limit", "4", "--strategies", "none",
-                           "--json"))
+    data = ok_json(
+        run_cli("max-batch", "seed-cifar", "--budget", "1GiB", "--limit", "4", "--strategies", "none", "--json")
+    )
     assert data["batches"] == {"none": 4} and data["budget_bytes"] == 2**30
 
 
@@ -325,8 +339,23 @@ def test_bench_passes_options_per_model(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(remat.bench, "run_bench", run_bench)
     md = tmp_path / "bench.md"
-    code = main(["bench", "gpt2", "seed-cifar", "--quick", "--layers", "2", "--batch", "4", "--budgets", "0.5,6GiB,min",
-                 "--markdown", str(md), "--json"])
+    code = main(
+        [
+            "bench",
+            "gpt2",
+            "seed-cifar",
+            "--quick",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--budgets",
+            "0.5,6GiB,min",
+            "--markdown",
+            str(md),
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and json.loads(out) == _Report().to_dict() and "| gpt2 | none |" in md.read_text()
     assert seen["models"] == ["gpt2", "seed-cifar"] and seen["quick"] and seen["budgets"] == (0.5, "6GiB", "min")
@@ -357,8 +386,10 @@ BAD_IN_PROCESS = {
     "bad-device": (["profile", "seed-cifar", "--device", "tpu"], ["is not a device"]),
     "fraction-for-max-batch": (["max-batch", "seed-cifar", "--budget", "0.5"], ["is a fraction"]),
     "factory-for-bench": (["bench", "models.py:seed000"], ["zoo models only"]),
-    "bench-option-no-model-takes": (["bench", "seed-cifar", "--layers", "2"],
-                                    ["no model among seed-cifar takes layers"]),
+    "bench-option-no-model-takes": (
+        ["bench", "seed-cifar", "--layers", "2"],
+        ["no model among seed-cifar takes layers"],
+    ),
     "bench-compile-budget": (["bench", "seed-cifar", "--compile", "1,fast"], ["budgets between 0 and 1"]),
     "bench-compile-range": (["bench", "seed-cifar", "--compile", "2"], ["budgets between 0 and 1"]),
 }
@@ -417,8 +448,14 @@ def test_the_users_traceback_on_request(models):
     proc = run_cli("profile", "models.py:broken", *FAST, cwd=models)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     env = {**_ENV, "REMAT_TRACEBACK": "1"}
-    proc = subprocess.run([sys.executable, "-m", "remat.cli", "profile", "models.py:broken", *FAST], cwd=models,
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "remat.cli", "profile", "models.py:broken", *FAST],
+        cwd=models,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 2
     assert "x = x.view(5, -1)" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("remat: error:")
 
@@ -450,8 +487,9 @@ def test_hand_made_plan_over_the_budget_is_said(models, monkeypatch, capsys):
 
 
 def test_policies_option_profiles_the_policies_asked_for():
-    data = ok_json(run_cli("profile", "gpt2", *GPT2, "--fake", "--policies", "keep,selective-ops,full,full-fine",
-                           "--json"))
+    data = ok_json(
+        run_cli("profile", "gpt2", *GPT2, "--fake", "--policies", "keep,selective-ops,full,full-fine", "--json")
+    )
     assert data["policies"] == ["keep", "selective-ops", "full", "full-fine"]
     assert all(set(b["extra_time_s"]) == {"keep", "selective-ops", "full", "full-fine"} for b in data["blocks"])
     proc = run_cli("profile", "gpt2", *GPT2, "--fake", "--policies", "keep,half")
@@ -459,12 +497,31 @@ def test_policies_option_profiles_the_policies_asked_for():
 
 
 def test_optimizer_and_accumulation_options_plan_the_loops_step():
-    data = ok_json(run_cli("plan", "gpt2", *GPT2, "--fake", "--budget", "0.9", "--optimizer", "adamw",
-                           "--accumulation-steps", "2", "--json"))
+    data = ok_json(
+        run_cli(
+            "plan",
+            "gpt2",
+            *GPT2,
+            "--fake",
+            "--budget",
+            "0.9",
+            "--optimizer",
+            "adamw",
+            "--accumulation-steps",
+            "2",
+            "--json",
+        )
+    )
     assert data["loop"] == "AdamW's state and step and gradients accumulated over 2 backward passes"
     zoo = build("gpt2", **GPT2_KW)
-    api = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, accumulation_steps=2,
-                        optimizer=torch.optim.AdamW(zoo.model.parameters()))
+    api = remat.profile(
+        zoo.model,
+        zoo.inputs,
+        zoo.loss_fn,
+        fake=True,
+        accumulation_steps=2,
+        optimizer=torch.optim.AdamW(zoo.model.parameters()),
+    )
     assert data["baseline_peak_bytes"] == api.baseline_peak_bytes
     proc = run_cli("plan", "gpt2", *GPT2, "--fake", "--budget", "0.9", "--accumulation-steps", "0")
     assert proc.returncode == 2 and "accumulation_steps must be an integer >= 1" in proc.stderr, proc.stderr

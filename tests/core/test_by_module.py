@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import TensorParallelBlock, assert_buffers_equal, assert_grads_equal, tensor_parallel, twin
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -17,17 +18,29 @@ from remat import zoo
 from remat.core._region import recompute_observer
 from remat.core.checkpoint import _STRUCTURES
 
-from conftest import TensorParallelBlock, assert_buffers_equal, assert_grads_equal, tensor_parallel, twin
-
 pytest.importorskip("transformers")
 aten = torch.ops.aten
 TINY = {
     "gpt2": {"layers": 2, "hidden": 32, "heads": 2, "vocab": 64, "seq": 16, "batch": 2},
-    "llama": {"layers": 2, "hidden": 32, "intermediate": 64, "heads": 2, "kv_heads": 1, "vocab": 64, "seq": 16,
-              "batch": 2},
+    "llama": {
+        "layers": 2,
+        "hidden": 32,
+        "intermediate": 64,
+        "heads": 2,
+        "kv_heads": 1,
+        "vocab": 64,
+        "seq": 16,
+        "batch": 2,
+    },
 }
-KEPT = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default}
+KEPT = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.convolution.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 
 class RecomputedOps(TorchDispatchMode):
@@ -73,11 +86,14 @@ def _lm_step(model: nn.Module, inputs: dict, seed: int, counter: RecomputedOps |
     return loss.detach()
 
 
-@pytest.mark.parametrize(("name", "options", "regions"), [
-    ("gpt2", {"dropout": 0.1}, ["LayerNorm", "LayerNorm", "NewGELUActivation"]),
-    ("gpt2", {"dropout": 0.0}, ["LayerNorm", "LayerNorm", "NewGELUActivation"]),
-    ("llama", {}, ["LlamaRMSNorm", "LlamaRMSNorm", "SiLUActivation"]),
-])
+@pytest.mark.parametrize(
+    ("name", "options", "regions"),
+    [
+        ("gpt2", {"dropout": 0.1}, ["LayerNorm", "LayerNorm", "NewGELUActivation"]),
+        ("gpt2", {"dropout": 0.0}, ["LayerNorm", "LayerNorm", "NewGELUActivation"]),
+        ("llama", {}, ["LlamaRMSNorm", "LlamaRMSNorm", "SiLUActivation"]),
+    ],
+)
 def test_selective_recomputes_only_cheap_submodules_with_equal_gradients(name, options, regions):
     built = zoo.build(name, **TINY[name], **options)
     ref = twin(built.model)
@@ -129,8 +145,12 @@ def test_every_region_recomputation_is_the_blocks_own():
 class ConvBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv1, self.bn, self.act, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(), \
-            nn.Conv2d(8, 3, 3, padding=1)
+        self.conv1, self.bn, self.act, self.conv2 = (
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.GELU(),
+            nn.Conv2d(8, 3, 3, padding=1),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.conv2(self.act(self.bn(self.conv1(x))))
@@ -193,15 +213,15 @@ def test_selective_ops_stays_op_level_on_every_call_with_equal_gradients():
 def test_the_planner_weighs_both_selective_policies():
     torch.manual_seed(0)
     built = zoo.build("llama", **TINY["llama"])
-    prof = remat.profile(built.model, built.inputs, policies=("keep", "selective", "selective-ops", "full"),
-                         repeat=1)
+    prof = remat.profile(built.model, built.inputs, policies=("keep", "selective", "selective-ops", "full"), repeat=1)
     every = {policy: {b: policy for b in built.blocks} for policy in ("selective", "selective-ops")}
     # two different choices: op by op recomputes the block's own ops too (rotary, the MLP's product) but
     # keeps every matmul output, needed or not (o_proj's, down_proj's); by module keeps what is saved
     assert prof.predict_peak(every["selective-ops"]) != prof.predict_peak(every["selective"])
     for assignment in every.values():
-        plan = remat.Plan.from_json(dataclasses.replace(remat.plan(prof, strategy="none"),
-                                                        assignment=assignment).to_json())
+        plan = remat.Plan.from_json(
+            dataclasses.replace(remat.plan(prof, strategy="none"), assignment=assignment).to_json()
+        )
         remat.apply(built.model, plan)
         measured = remat.measure(built.model, built.inputs, warmup=1, repeat=1)
         predicted = prof.predict_peak(assignment)
@@ -241,8 +261,12 @@ class InPlaceBlock(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.c1, self.bn, self.relu, self.c2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), \
-            nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1)
+        self.c1, self.bn, self.relu, self.c2 = (
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(4, 4, 3, padding=1),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.c2(self.relu(self.bn(self.c1(x))))
@@ -254,8 +278,15 @@ class OutputSavingBlock(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
-                                    nn.MaxPool2d(2), nn.Dropout(0.25), nn.ConvTranspose2d(8, 4, 2, stride=2))
+        self.layers = nn.Sequential(
+            nn.Conv2d(4, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Dropout(0.25),
+            nn.ConvTranspose2d(8, 4, 2, stride=2),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -276,8 +307,9 @@ def test_regions_overwritten_in_place_or_saving_their_output_are_exact_and_never
             m(x).square().sum().backward()
         assert_grads_equal(ref, model)
         assert_buffers_equal(ref, model)
-    peaks = [remat.measure(m, x, loss_fn=lambda out: out.square().sum(), warmup=1, repeat=1).peak_bytes
-             for m in (ref, model)]
+    peaks = [
+        remat.measure(m, x, loss_fn=lambda out: out.square().sum(), warmup=1, repeat=1).peak_bytes for m in (ref, model)
+    ]
     assert peaks[1] <= peaks[0] + 1024, peaks  # remat's copies of BatchNorm's statistics at most
 
 

@@ -6,13 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tc
+from conftest import assert_buffers_equal, assert_grads_equal, step, twin
 from torch import nn
 
 import remat
 from remat.core._memtrack import StorageTracker
 from remat.zoo import SeedCifarCNN
-
-from conftest import assert_buffers_equal, assert_grads_equal, step, twin
 
 
 class Counting(nn.Module):
@@ -39,8 +38,13 @@ def test_first_block_on_raw_input_gets_gradients_seed_000():
     x = torch.randn(8, 3, 32, 32)  # raw data: requires_grad=False
     assert not x.requires_grad
     step(ref, x)
-    step(model, x, fn=lambda x: model.head(model.flatten(
-        remat.checkpoint(model.cnn_block_2, remat.checkpoint(model.cnn_block_1, x)))))
+    step(
+        model,
+        x,
+        fn=lambda x: model.head(
+            model.flatten(remat.checkpoint(model.cnn_block_2, remat.checkpoint(model.cnn_block_1, x)))
+        ),
+    )
     assert_grads_equal(ref, model)
 
 
@@ -356,8 +360,7 @@ def test_nested_checkpoints_with_batchnorm():
     model = twin(ref)
     x = torch.randn(6, 5)
     step(ref, x)
-    step(model, x, fn=lambda t: remat.checkpoint(
-        lambda u: model[2](remat.checkpoint(model[1], model[0](u))), t))
+    step(model, x, fn=lambda t: remat.checkpoint(lambda u: model[2](remat.checkpoint(model[1], model[0](u))), t))
     assert_grads_equal(ref, model)
     assert_buffers_equal(ref, model)
 
@@ -431,8 +434,17 @@ def test_thirty_steps_identical_with_remat_and_divergent_with_reentrant_torch():
 def test_hf_kv_cache_side_effect_is_a_clear_error():
     """A KV cache appended in every forward is appended again in recompute (helper-found; HF eager attention)."""
     tf = pytest.importorskip("transformers")
-    config = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, use_cache=True,
-                           attn_implementation="eager", bos_token_id=63, eos_token_id=63)
+    config = tf.GPT2Config(
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        use_cache=True,
+        attn_implementation="eager",
+        bos_token_id=63,
+        eos_token_id=63,
+    )
     model = tf.GPT2LMHeadModel(config).train()
     remat.wrap(model.transformer.h[0])
     ids = torch.randint(0, 64, (2, 16))

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_buffers_equal, assert_grads_equal, twin
 from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import default_partition
@@ -20,14 +21,20 @@ import remat
 from remat import zoo
 from remat.core import _compiled
 
-from conftest import assert_buffers_equal, assert_grads_equal, twin
-
 aten = torch.ops.aten
 
 TINY = {
     "gpt2": {"layers": 3, "hidden": 32, "heads": 2, "vocab": 64, "seq": 16, "batch": 2},
-    "llama": {"layers": 3, "hidden": 32, "intermediate": 64, "heads": 2, "kv_heads": 1, "vocab": 64, "seq": 16,
-              "batch": 2},
+    "llama": {
+        "layers": 3,
+        "hidden": 32,
+        "intermediate": 64,
+        "heads": 2,
+        "kv_heads": 1,
+        "vocab": 64,
+        "seq": 16,
+        "batch": 2,
+    },
     "vit": {"layers": 3, "hidden": 32, "heads": 2, "image": 32, "patch": 16, "classes": 4, "batch": 2},
 }
 #: keep, selective and full in one model: every policy's compiled form at once.
@@ -55,8 +62,13 @@ class GraphOps:
         return compiler
 
     def __call__(self, gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=self._keep(self.fw),
-                                     bw_compiler=self._keep(self.bw), partition_fn=default_partition)
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=self._keep(self.fw),
+            bw_compiler=self._keep(self.bw),
+            partition_fn=default_partition,
+        )
 
 
 def _mixed(built, policies=MIXED):
@@ -184,8 +196,9 @@ def test_a_saved_random_op_leaves_the_other_masks_unchanged():
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     for block in model.blocks:
-        block.forward = (lambda b: lambda x, **kw: remat.checkpoint(type(b).forward.__get__(b), x,
-                                                                     policy=save_first_dropout, **kw))(block)
+        block.forward = (
+            lambda b: lambda x, **kw: remat.checkpoint(type(b).forward.__get__(b), x, policy=save_first_dropout, **kw)
+        )(block)
     x = torch.randn(4, 16)
     out, ops = _graph_step(model, x)
     ref_out, _ = _graph_step(ref, x)
@@ -212,7 +225,10 @@ def test_batchnorm_statistics_update_once_per_compiled_step():
     remat.wrap(model[0], policy="full")
     remat.wrap(model[1], policy="selective")
     x = torch.randn(2, 4, 8, 8)
-    for compiled, net in ((torch.compile(model, backend="aot_eager"), model), (torch.compile(ref, backend="aot_eager"), ref)):
+    for compiled, _net in (
+        (torch.compile(model, backend="aot_eager"), model),
+        (torch.compile(ref, backend="aot_eager"), ref),
+    ):
         for seed in (1, 2):
             torch.manual_seed(seed)
             compiled(x).sum().backward()
@@ -288,9 +304,15 @@ def test_in_place_ops_inside_compiled_blocks(policy):
 
 def test_torch_notice_about_context_fn_does_not_reach_the_user():
     remat.wrap(Mlp())
-    notice = logging.LogRecord("torch._higher_order_ops.wrap", logging.WARNING, __file__, 1,
-                               "\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\n",
-                               None, None)
+    notice = logging.LogRecord(
+        "torch._higher_order_ops.wrap",
+        logging.WARNING,
+        __file__,
+        1,
+        "\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\n",
+        None,
+        None,
+    )
     other = logging.LogRecord("torch._higher_order_ops.wrap", logging.WARNING, __file__, 1, "anything else", None, None)
     logger = logging.getLogger("torch._higher_order_ops.wrap")
     assert not logger.filter(notice) and logger.filter(other)
@@ -329,9 +351,16 @@ def test_block_dynamo_cannot_trace_warns_once_and_keeps_every_guarantee():
 
 
 def _all_full(built):
-    return remat.Plan(assignment={n: "full" for n in built.blocks}, predicted_peak_bytes=0, predicted_overhead=0.0,
-                      baseline_peak_bytes=0, min_peak_bytes=0, budget_bytes=None, strategy="all",
-                      model=type(built.model).__name__)
+    return remat.Plan(
+        assignment={n: "full" for n in built.blocks},
+        predicted_peak_bytes=0,
+        predicted_overhead=0.0,
+        baseline_peak_bytes=0,
+        min_peak_bytes=0,
+        budget_bytes=None,
+        strategy="all",
+        model=type(built.model).__name__,
+    )
 
 
 def test_plan_applied_to_a_compiled_model_recompiles_with_it():

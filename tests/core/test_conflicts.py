@@ -3,18 +3,25 @@
 import warnings
 
 import pytest
+from conftest import SMALL
 from torch import nn
 
 import remat
 from remat.zoo import build
 
-from conftest import SMALL
-
 
 def _plan(assignment):
     # model="": a hand-made plan that records no model class, so apply checks only its block names.
-    return remat.Plan(assignment=assignment, predicted_peak_bytes=0, predicted_overhead=0.0, baseline_peak_bytes=0,
-                      min_peak_bytes=0, budget_bytes=None, strategy="none", model="")
+    return remat.Plan(
+        assignment=assignment,
+        predicted_peak_bytes=0,
+        predicted_overhead=0.0,
+        baseline_peak_bytes=0,
+        min_peak_bytes=0,
+        budget_bytes=None,
+        strategy="none",
+        model="",
+    )
 
 
 def _nothing_wrapped(model):
@@ -51,8 +58,11 @@ def test_double_checkpointing_recomputes_twice_when_one_is_reentrant():
 def test_hugging_face_gradient_checkpointing_is_detected_and_named():
     zoo = build("gpt2", **SMALL["gpt2"])
     _hf_checkpointing(zoo.model, True)
-    with pytest.raises(remat.RematError, match=r"remat.apply: .*'transformer\.h\.0'.*Hugging Face.*recomputed "
-                                               r"twice.*gradient_checkpointing_disable"):
+    with pytest.raises(
+        remat.RematError,
+        match=r"remat.apply: .*'transformer\.h\.0'.*Hugging Face.*recomputed "
+        r"twice.*gradient_checkpointing_disable",
+    ):
         remat.apply(zoo.model, _plan({"transformer.h.0": "full", "transformer.h.1": "keep"}))
     assert _nothing_wrapped(zoo.model)
     with pytest.raises(remat.RematError, match="remat.auto: .*Turn one of them off"):

@@ -37,8 +37,14 @@ SMALL = {
     "seed-cifar": dict(batch=32),
 }
 CASES = [
-    ("gpt2", dict(dropout=0.1)), ("gpt2", dict(dropout=0.0)), ("gpt2", dict(dropout=0.1, attention="eager")),
-    ("llama", {}), ("vit", dict(dropout=0.1)), ("vit", dict(dropout=0.0)), ("resnet50", {}), ("seed-cifar", {}),
+    ("gpt2", dict(dropout=0.1)),
+    ("gpt2", dict(dropout=0.0)),
+    ("gpt2", dict(dropout=0.1, attention="eager")),
+    ("llama", {}),
+    ("vit", dict(dropout=0.1)),
+    ("vit", dict(dropout=0.0)),
+    ("resnet50", {}),
+    ("seed-cifar", {}),
 ]
 
 
@@ -51,8 +57,20 @@ def _grads(zoo: object, policy: str | None) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         torch.cuda.manual_seed_all(0)
         model.zero_grad(set_to_none=True)
-        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-        loss = zoo.loss_fn(out) if zoo.loss_fn else out.loss if hasattr(out, "loss") and out.loss is not None else out.sum()
+        out = (
+            model(**inputs)
+            if isinstance(inputs, dict)
+            else model(*inputs)
+            if isinstance(inputs, tuple)
+            else model(inputs)
+        )
+        loss = (
+            zoo.loss_fn(out)
+            if zoo.loss_fn
+            else out.loss
+            if hasattr(out, "loss") and out.loss is not None
+            else out.sum()
+        )
         loss.backward()
         torch.cuda.synchronize()
         return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -75,7 +93,9 @@ def deterministic():
     torch.use_deterministic_algorithms(before)
 
 
-@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in CASES])
+@pytest.mark.parametrize(
+    "name,opts", CASES, ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in CASES]
+)
 def test_every_policy_matches_no_checkpointing_on_cuda(name: str, opts: dict, deterministic: None) -> None:
     zoo = build(name, **{**SMALL[name], **opts})
     zoo.model.cuda()

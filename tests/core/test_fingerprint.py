@@ -22,8 +22,9 @@ def test_equal_steps_have_equal_fingerprints():
     model, x = _model(), torch.randn(5, 8)
     a = fingerprint(model, _stepped(model, x))
     b = fingerprint(model, _stepped(model, x))  # BatchNorm's running stats moved: buffers differ
-    assert a.differences(b, exact=True) == sorted(f"buffer:1.{n}" for n in ("num_batches_tracked", "running_mean",
-                                                                             "running_var"))
+    assert a.differences(b, exact=True) == sorted(
+        f"buffer:1.{n}" for n in ("num_batches_tracked", "running_mean", "running_var")
+    )
     assert fingerprint(model, 1.0).differences(fingerprint(model, 1.0), exact=True) == []
 
 

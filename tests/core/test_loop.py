@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import Untouched
 from torch import nn
 
 import remat
@@ -9,7 +10,6 @@ from remat.core._loop import OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, storage_bytes
 from remat.core._step import training_step
 from remat.zoo import build
-from conftest import Untouched
 
 SIZES = {"layers": 2, "hidden": 64, "heads": 2, "vocab": 256, "seq": 32, "batch": 2}
 OPTIMIZERS = {
@@ -25,8 +25,12 @@ def _loop_peak(model, inputs, optimizer, accumulation_steps, iterations=3):
     peaks = []
     for _ in range(iterations):
         model.zero_grad(set_to_none=True)
-        known = [*model.parameters(), *model.buffers(), *inputs.values(),
-                 *(v for s in (optimizer.state.values() if optimizer else ()) for v in s.values() if torch.is_tensor(v))]
+        known = [
+            *model.parameters(),
+            *model.buffers(),
+            *inputs.values(),
+            *(v for s in (optimizer.state.values() if optimizer else ()) for v in s.values() if torch.is_tensor(v)),
+        ]
         tracker = StorageTracker(known=known)
         with tracker:
             for k in range(accumulation_steps):
@@ -42,8 +46,9 @@ def test_measure_reports_the_peak_the_loop_reaches(name, accumulation_steps):
     zoo = build("gpt2", **SIZES)
     optimizer = OPTIMIZERS[name](zoo.model.parameters()) if name else None
     guard = Untouched(zoo.model)
-    measured = remat.measure(zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=accumulation_steps,
-                             warmup=0, repeat=1)
+    measured = remat.measure(
+        zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=accumulation_steps, warmup=0, repeat=1
+    )
     guard.check()
     assert optimizer is None or not optimizer.state  # its state restored: empty, as before
     assert measured.peak_bytes == _loop_peak(zoo.model, zoo.inputs, optimizer, accumulation_steps)
@@ -96,22 +101,27 @@ def test_wrapped_optimizers_are_unwrapped():
     assert make_loop(model, _Wrapper(inner), 2, "api").optimizer is inner
 
 
-@pytest.mark.parametrize(("optimizer", "steps", "match"), [
-    (None, 0, "accumulation_steps must be an integer >= 1"),
-    (None, 1.5, "accumulation_steps must be an integer >= 1"),
-    (None, True, "accumulation_steps must be an integer >= 1"),
-    ("not an optimizer", 1, "optimizer must be a torch.optim.Optimizer"),
-    ("foreign", 1, "are not parameters of the model"),
-])
+@pytest.mark.parametrize(
+    ("optimizer", "steps", "match"),
+    [
+        (None, 0, "accumulation_steps must be an integer >= 1"),
+        (None, 1.5, "accumulation_steps must be an integer >= 1"),
+        (None, True, "accumulation_steps must be an integer >= 1"),
+        ("not an optimizer", 1, "optimizer must be a torch.optim.Optimizer"),
+        ("foreign", 1, "are not parameters of the model"),
+    ],
+)
 @pytest.mark.parametrize("api", ["measure", "profile", "auto"])
 def test_bad_loop_options_fail_clearly_and_leave_the_model_as_it_was(api, optimizer, steps, match):
     zoo = build("gpt2", **SIZES)
     if optimizer == "foreign":
         optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     guard = Untouched(zoo.model)
-    call = {"measure": lambda: remat.measure(zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=steps),
-            "profile": lambda: remat.profile(zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=steps),
-            "auto": lambda: remat.auto(zoo.model, zoo.inputs, 0.5, optimizer=optimizer, accumulation_steps=steps)}
+    call = {
+        "measure": lambda: remat.measure(zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=steps),
+        "profile": lambda: remat.profile(zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=steps),
+        "auto": lambda: remat.auto(zoo.model, zoo.inputs, 0.5, optimizer=optimizer, accumulation_steps=steps),
+    }
     with pytest.raises(remat.RematError, match=match):
         call[api]()
     guard.check()

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from conftest import Interruptible, UntouchedByCtrlC, assert_state_equal
 from torch import nn
 
 import remat
@@ -13,8 +14,6 @@ from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture
 from remat.core._step import training_step
 from remat.zoo import SeedCifarCNN, build
-from conftest import Interruptible, UntouchedByCtrlC, assert_state_equal
-
 
 
 def test_tracker_counts_storages_by_hand():
@@ -72,7 +71,9 @@ def test_measure_peak_of_a_step_by_hand():
 
 
 def _deep_mlp(depth=6, width=64, hidden=1024):
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(depth)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(depth)]
+    )
 
 
 def test_checkpointing_every_block_lowers_the_measured_peak():

@@ -3,13 +3,12 @@ dispatch mode, later calls without it, and every step still matches no checkpoin
 
 import pytest
 import torch
+from conftest import assert_buffers_equal, assert_grads_equal, step, twin
 from torch import nn
 
 import remat
 import remat.core._region as region
 from remat.core._contexts import _CopyOnWrite
-
-from conftest import assert_buffers_equal, assert_grads_equal, step, twin
 
 
 @pytest.fixture

@@ -25,8 +25,9 @@ aten = torch.ops.aten
 
 
 # torch.library.define with tags (torch >= 2.2) rather than custom_op(tags=...), which torch 2.4 lacks.
-torch.library.define("remat_test::fused_dropout", "(Tensor x, float p) -> (Tensor, Tensor)",
-                     tags=(torch.Tag.nondeterministic_seeded,))
+torch.library.define(
+    "remat_test::fused_dropout", "(Tensor x, float p) -> (Tensor, Tensor)", tags=(torch.Tag.nondeterministic_seeded,)
+)
 
 
 @torch.library.impl("remat_test::fused_dropout", "CompositeExplicitAutograd")
@@ -169,7 +170,8 @@ NOISY_POLICIES = {
     "function": dict(policy=_must_save_noisy),
     "torch-context-fn": dict(context_fn=functools.partial(create_selective_checkpoint_contexts, _must_save_noisy)),
     "torch-context-fn-list": dict(
-        context_fn=functools.partial(create_selective_checkpoint_contexts, [torch.ops.remat_test.noisy_scale.default])),
+        context_fn=functools.partial(create_selective_checkpoint_contexts, [torch.ops.remat_test.noisy_scale.default])
+    ),
 }
 
 

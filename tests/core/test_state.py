@@ -58,7 +58,8 @@ def test_what_cannot_be_restored_is_named_and_everything_else_is_restored():
     assert str(info.value).startswith(
         "remat.measure: failed to restore the model after running its step: buffer 'seen0' (the step registered it; "
         "it did not exist before); buffer 'seen1' (the step registered it; it did not exist before). Everything else "
-        "was restored.")
+        "was restored."
+    )
     now = capture(model)
     assert all(torch.equal(before.params[n][0], now.params[n][0]) for n in before.params)
     assert all(torch.equal(before.buffers[n], now.buffers[n]) for n in before.buffers)

@@ -55,7 +55,10 @@ def test_observer_context_restores_the_previous_one():
 
 def test_forward_slowdown_is_pooled_and_never_negative():
     assert forward_slowdown({"keep": 2.0, "selective": 2.2, "full": 1.9}) == {
-        "keep": 0.0, "selective": pytest.approx(0.1), "full": 0.0}
+        "keep": 0.0,
+        "selective": pytest.approx(0.1),
+        "full": 0.0,
+    }
     assert forward_slowdown({"keep": 0.0, "full": 1.0}) == {"keep": 0.0, "full": 0.0}
     assert extra_time("keep", recompute_s=1.0, fwd_s=1.0, slowdown=0.5) == 0.0
     assert extra_time("selective", recompute_s=0.3, fwd_s=2.0, slowdown=0.1) == pytest.approx(0.5)

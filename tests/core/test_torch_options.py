@@ -9,14 +9,13 @@ import warnings
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
+from conftest import assert_grads_equal, twin
 from torch import nn
 
 import remat
 import remat.core.checkpoint
 from remat.core import _torch_options
 from remat.errors import CheckpointOptionError
-
-from conftest import assert_grads_equal, twin
 
 mm = torch.ops.aten.mm.default
 
@@ -106,8 +105,16 @@ def test_general_context_fn_is_entered_in_forward_and_recompute():
     assert entered == ["forward", "recompute"]
 
 
-@pytest.mark.parametrize("options", [dict(determinism_check="none"), dict(early_stop=False), dict(early_stop=True),
-                                     dict(use_reentrant=False), dict(use_reentrant=None)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(determinism_check="none"),
+        dict(early_stop=False),
+        dict(early_stop=True),
+        dict(use_reentrant=False),
+        dict(use_reentrant=None),
+    ],
+)
 def test_options_torch_passes_keep_gradients(options):
     _compare(**options)
 
@@ -130,14 +137,19 @@ def _note(entered):
     yield
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(determinism_check="strict"), "determinism_check='strict'"),
-    (dict(early_stop="yes"), "early_stop must be True, False or None"),
-    (dict(context_fn="selective"), "context_fn must be a function"),
-    (dict(context_fn=lambda: None), r"context_fn\(\) must return"),
-    (dict(policy="selective", context_fn=functools.partial(tuc.create_selective_checkpoint_contexts, [mm])),
-     "both policy='selective' and a selective context_fn"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(determinism_check="strict"), "determinism_check='strict'"),
+        (dict(early_stop="yes"), "early_stop must be True, False or None"),
+        (dict(context_fn="selective"), "context_fn must be a function"),
+        (dict(context_fn=lambda: None), r"context_fn\(\) must return"),
+        (
+            dict(policy="selective", context_fn=functools.partial(tuc.create_selective_checkpoint_contexts, [mm])),
+            "both policy='selective' and a selective context_fn",
+        ),
+    ],
+)
 def test_refused_options_say_why_and_run_nothing(options, message):
     block = Block()
     with pytest.raises(remat.RematError, match=message) as info:
@@ -267,13 +279,15 @@ def test_respect_saved_tensors_hooks_routes_kept_outputs_as_torch_does(respect):
 
         def fn(t):
             return torch.mm(t, t).relu().sum()
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if which == "remat":
                 out = remat.checkpoint(fn, x, policy=[mm], respect_saved_tensors_hooks=respect)
             else:
                 context = functools.partial(tuc.create_selective_checkpoint_contexts, [mm])
-                out = tuc.checkpoint(fn, x, use_reentrant=False, context_fn=context,
-                                     respect_saved_tensors_hooks=respect)
+                out = tuc.checkpoint(
+                    fn, x, use_reentrant=False, context_fn=context, respect_saved_tensors_hooks=respect
+                )
         out.backward()
         return x.grad
 
@@ -301,9 +315,14 @@ def test_every_option_of_the_installed_torch_is_one_remat_knows():
 
 
 addmm = torch.ops.aten.addmm.default  # what Block's Linear layers run
-POLICIES = {"selective": "selective", "selective-ops": "selective-ops", "op list": [addmm],
-            "policy function": lambda ctx, op, *a, **k: tuc.CheckpointPolicy.MUST_SAVE if op == addmm
-            else tuc.CheckpointPolicy.PREFER_RECOMPUTE}
+POLICIES = {
+    "selective": "selective",
+    "selective-ops": "selective-ops",
+    "op list": [addmm],
+    "policy function": lambda ctx, op, *a, **k: (
+        tuc.CheckpointPolicy.MUST_SAVE if op == addmm else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+    ),
+}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

@@ -17,13 +17,12 @@ import weakref
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
+from conftest import assert_buffers_equal, assert_grads_equal, twin
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.core import _torch_options
-
-from conftest import assert_buffers_equal, assert_grads_equal, twin
 
 REENTRANT_WARNING = "use_reentrant=True is run with remat's non-reentrant checkpoint"
 
@@ -133,7 +132,7 @@ def test_checkpoint_sequential_recomputes_every_segment_but_the_last(redirected,
     out.sum().backward()
     assert [m.calls for m in modules] == [2] * 5 + [1] * 5
     assert all(m.recomputing == [False, True] for m in modules[:5])
-    assert torch.equal(x.grad, torch.full((3, 4), 2.0 ** 10))
+    assert torch.equal(x.grad, torch.full((3, 4), 2.0**10))
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -390,11 +389,18 @@ def test_backward_from_a_hook_inside_backward():
     assert torch.equal(a.grad, plain.grad)
 
 
-@pytest.mark.parametrize("around, given, calls", [
-    (None, None, 1), (None, False, 2), (None, True, 1),  # torch's default is on; the argument
-    (False, None, 2), (True, None, 1),  # the context manager, read when the call is made, not in backward
-    (False, True, 2), (True, False, 1),  # the context manager wins over the argument, as in torch
-])
+@pytest.mark.parametrize(
+    "around, given, calls",
+    [
+        (None, None, 1),
+        (None, False, 2),
+        (None, True, 1),  # torch's default is on; the argument
+        (False, None, 2),
+        (True, None, 1),  # the context manager, read when the call is made, not in backward
+        (False, True, 2),
+        (True, False, 1),  # the context manager wins over the argument, as in torch
+    ],
+)
 def test_early_stop_skips_what_saves_nothing(around, given, calls):
     counter = []
 
@@ -440,14 +446,37 @@ def test_early_stop_when_only_the_input_is_saved(early_stop, dispatched):
 
 
 def test_a_decorated_functions_keywords_are_its_own_even_named_like_options():
-    def fn(a, preserve_rng_state, use_reentrant, context_fn, determinism_check, debug, early_stop,
-           respect_saved_tensors_hooks):
-        return a.sin() * preserve_rng_state * use_reentrant * context_fn * determinism_check * debug * early_stop \
+    def fn(
+        a,
+        preserve_rng_state,
+        use_reentrant,
+        context_fn,
+        determinism_check,
+        debug,
+        early_stop,
+        respect_saved_tensors_hooks,
+    ):
+        return (
+            a.sin()
+            * preserve_rng_state
+            * use_reentrant
+            * context_fn
+            * determinism_check
+            * debug
+            * early_stop
             * respect_saved_tensors_hooks
+        )
 
     a = torch.tensor(2.0, requires_grad=True)
-    keywords = {"preserve_rng_state": 2, "use_reentrant": 3, "context_fn": 5, "determinism_check": 7, "debug": 11,
-                "early_stop": 13, "respect_saved_tensors_hooks": 17}
+    keywords = {
+        "preserve_rng_state": 2,
+        "use_reentrant": 3,
+        "context_fn": 5,
+        "determinism_check": 7,
+        "debug": 11,
+        "early_stop": 13,
+        "respect_saved_tensors_hooks": 17,
+    }
     out = remat.checkpoint(use_reentrant=False, preserve_rng_state=False)(fn)(a, **keywords)
     expected = fn(a, **keywords)
     assert torch.equal(out, expected)
@@ -463,8 +492,10 @@ def test_a_decorated_method_and_a_function_without_arguments():
     x, scale = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
     ours, expected = Model().fn(x, scale), x.sin() * scale
     assert torch.equal(ours, expected)
-    assert all(torch.equal(o, e) for o, e in zip(torch.autograd.grad(ours, (x, scale)),
-                                                   torch.autograd.grad(expected, (x, scale)), strict=True))
+    assert all(
+        torch.equal(o, e)
+        for o, e in zip(torch.autograd.grad(ours, (x, scale)), torch.autograd.grad(expected, (x, scale)), strict=True)
+    )
     for call in (lambda: remat.checkpoint(lambda: x.sin().exp()), lambda: remat.checkpoint()(lambda: x.sin().exp())()):
         assert torch.equal(torch.autograd.grad(call(), x)[0], torch.autograd.grad(x.sin().exp(), x)[0])
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 import torch.utils.checkpoint as tc
+from conftest import assert_state_equal
 from torch import nn
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -20,7 +21,6 @@ from remat.cli._demo import SeedCifarReentrant
 from remat.core import checkpoint as remat_checkpoint
 from remat.core._state import capture
 from remat.diagnosis._doors import doors
-from conftest import assert_state_equal
 
 # The private globals the doctor swaps on this torch (found from the public checkpoint).
 FUNCTION, GENERATOR = doors()
@@ -75,7 +75,8 @@ def line_of(marker):
 def at(sites, *markers):
     """True when ``sites`` are this file's lines marked with ``markers`` (paths are shown relative to the cwd)."""
     return len(sites) == len(markers) and all(
-        s.replace("\\", "/").endswith(f"tests/diagnosis/test_doctor.py:{line_of(m)}") for s, m in zip(sites, markers))
+        s.replace("\\", "/").endswith(f"tests/diagnosis/test_doctor.py:{line_of(m)}") for s, m in zip(sites, markers)
+    )
 
 
 # --- seed 000: reentrant checkpoint on the first block, exactly as the user wrote it -----------------
@@ -84,27 +85,28 @@ def at(sites, *markers):
 class CIFAR10Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.cnn_block_1 = nn.Sequential(*[
-            nn.Conv2d(3, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2)
-        ])
+        self.cnn_block_1 = nn.Sequential(
+            *[
+                nn.Conv2d(3, 32, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(32, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(kernel_size=2),
+            ]
+        )
         self.dropout_1 = nn.Dropout(0.25)
-        self.cnn_block_2 = nn.Sequential(*[
-            nn.Conv2d(64, 64, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(64, 64, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2)
-        ])
+        self.cnn_block_2 = nn.Sequential(
+            *[
+                nn.Conv2d(64, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(kernel_size=2),
+            ]
+        )
         self.dropout_2 = nn.Dropout(0.25)
         self.flatten = lambda inp: torch.flatten(inp, 1)
-        self.linearize = nn.Sequential(*[
-            nn.Linear(64 * 8 * 8, 512),
-            nn.ReLU()
-        ])
+        self.linearize = nn.Sequential(*[nn.Linear(64 * 8 * 8, 512), nn.ReLU()])
         self.dropout_3 = nn.Dropout(0.5)
         self.out = nn.Linear(512, 10)
 
@@ -260,8 +262,12 @@ def test_batchnorm_in_torch_checkpoint_updates_twice(how):
     assert "advances by 2 per step instead of 1" in found.message and "remat" in found.fix
     assert report.codes() == ["buffers-updated-twice"]  # gradients are right
     site = report.checkpoints[0]
-    apis = {"checkpoint": "utils.checkpoint.checkpoint", "checkpoint_sequential": "checkpoint_sequential",
-            "checkpoint_wrapper": "checkpoint_wrapper", "composable": "_composable.checkpoint"}
+    apis = {
+        "checkpoint": "utils.checkpoint.checkpoint",
+        "checkpoint_sequential": "checkpoint_sequential",
+        "checkpoint_wrapper": "checkpoint_wrapper",
+        "composable": "_composable.checkpoint",
+    }
     assert site.api.endswith(apis[how])
     if how in ("checkpoint", "checkpoint_sequential"):
         marker = {"checkpoint": "bn call", "checkpoint_sequential": "bn sequential"}[how]
@@ -565,8 +571,9 @@ def test_hugging_face_layers_are_labelled_by_the_api_that_checkpoints_them(how):
     if how == "hf":  # activation_* in transformers 5.2x, gradient_* in 4.x and 5.17 (bench._setups._hf_prefix)
         getattr(zoo.model, f"{_hf_prefix(zoo.model)}_checkpointing_enable")({"use_reentrant": False})
     else:
-        remat.apply(zoo.model, remat.plan(remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0),
-                                          strategy="all"))
+        remat.apply(
+            zoo.model, remat.plan(remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0), strategy="all")
+        )
     report = diagnose(zoo.model, zoo.inputs, zoo.loss_fn)
     assert len(report.checkpoints) == 2
     want = "Hugging Face gradient checkpointing" if how == "hf" else "remat.wrap"
@@ -577,10 +584,20 @@ def test_hugging_face_layers_are_labelled_by_the_api_that_checkpoints_them(how):
 def _mixtral_with_remat_plan():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                              num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
-                              max_position_embeddings=16, use_cache=False)
+    config = tf.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
     model = tf.MixtralForCausalLM(config).train()
     ids = torch.randint(0, 64, (2, 8))
     inputs = {"input_ids": ids, "labels": ids}
@@ -602,7 +619,9 @@ def test_a_users_recording_hook_on_the_same_model_is_still_found():
     model, inputs = _mixtral_with_remat_plan()
     seen = []
     # The router is layers.0.mlp.gate in transformers 5, layers.0.block_sparse_moe.gate in 4.x.
-    name, gate = next((n, m) for n, m in model.named_modules() if n.startswith("model.layers.0.") and n.endswith(".gate"))
+    name, gate = next(
+        (n, m) for n, m in model.named_modules() if n.startswith("model.layers.0.") and n.endswith(".gate")
+    )
     gate.register_forward_hook(lambda module, args, out: seen.append(out))
     found = only(remat.doctor(model, inputs, measure_cost=False), "side-effects-repeated")
     assert name in found.modules and "seen is list of length 2" in found.message

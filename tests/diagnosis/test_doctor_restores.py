@@ -6,12 +6,12 @@ import collections
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from conftest import Interruptible, UntouchedByCtrlC, ctrl_c_while_restoring_rng
 from torch import nn
 
 import remat
 from remat.core import checkpoint as remat_checkpoint
 from remat.diagnosis._doors import doors
-from conftest import Interruptible, UntouchedByCtrlC, ctrl_c_while_restoring_rng
 
 NAMES = doors()
 DOORS = (*(getattr(tc, name) for name in NAMES), remat_checkpoint._run_checkpointed)
@@ -97,15 +97,31 @@ def _unet(conditional):
     torch.manual_seed(0)
     if conditional:
         model = diffusers.UNet2DConditionModel(
-            sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-        inputs = {"sample": torch.randn(2, 4, 8, 8), "timestep": torch.tensor([1, 2]),
-                  "encoder_hidden_states": torch.randn(2, 5, 32)}
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=8,
+        )
+        inputs = {
+            "sample": torch.randn(2, 4, 8, 8),
+            "timestep": torch.tensor([1, 2]),
+            "encoder_hidden_states": torch.randn(2, 5, 32),
+        }
     else:
         model = diffusers.UNet2DModel(
-            sample_size=16, block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
-            down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+            sample_size=16,
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            norm_num_groups=8,
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        )
         inputs = (torch.randn(2, 3, 16, 16), torch.tensor([1, 2]))
     return model, inputs
 

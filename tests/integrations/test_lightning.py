@@ -21,8 +21,7 @@ class TinyChain(pl.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
-                                   for _ in range(4)])
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
 
     def forward(self, x):
         return self.net(x)
@@ -47,12 +46,22 @@ class _Watch(pl.Callback):
 
 def _fit(tmp_path, *callbacks, accumulate=1):
     g = torch.Generator().manual_seed(1)
-    data = torch.utils.data.TensorDataset(torch.randn(STEPS * BATCH * accumulate, 32, generator=g),
-                                          torch.randn(STEPS * BATCH * accumulate, 32, generator=g))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(STEPS * BATCH * accumulate, 32, generator=g),
+        torch.randn(STEPS * BATCH * accumulate, 32, generator=g),
+    )
     module, watch = TinyChain(), _Watch()
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[watch, *callbacks], accumulate_grad_batches=accumulate)
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[watch, *callbacks],
+        accumulate_grad_batches=accumulate,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     return module, watch
 
@@ -66,8 +75,9 @@ def test_lightning_with_the_callback_trains_exactly_as_without(tmp_path, accumul
     plan = callback.plan
     assert plan is not None and plan.checkpointed and plan.model == "TinyChain"
     # planned for the loop's step: the optimizer's momentum and step, the accumulated gradients
-    assert plan.loop == "SGD's state and step" + (" and gradients accumulated over 2 backward passes"
-                                                  if accumulate == 2 else "")
+    assert plan.loop == "SGD's state and step" + (
+        " and gradients accumulated over 2 backward passes" if accumulate == 2 else ""
+    )
     assert watch.wrapped_at_step == [sorted(plan.checkpointed)] * STEPS  # before the first optimizer step
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
     for (name, want), got in zip(reference.named_parameters(), module.parameters()):
@@ -93,9 +103,18 @@ class TinyGPT2(pl.LightningModule):
         super().__init__()
         transformers = pytest.importorskip("transformers")
         torch.manual_seed(0)
-        config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0)
+        config = transformers.GPT2Config(
+            n_layer=3,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         self.gpt = transformers.GPT2LMHeadModel(config)
 
     def training_step(self, batch, batch_idx):
@@ -115,9 +134,16 @@ def _fit_on_a_device(tmp_path, capacity, *callbacks):
     ids = torch.randint(0, 64, (STEPS * 4, 64), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
     module = TinyGPT2()
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=list(callbacks))
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=list(callbacks),
+    )
     device = SimulatedDevice(capacity, [*module.parameters(), *module.buffers()])
     with device:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))

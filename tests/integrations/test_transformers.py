@@ -16,8 +16,18 @@ SEQ, BATCH, STEPS = 64, 4, 3
 
 def _model():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=SEQ, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -40,8 +50,18 @@ class _Watch(transformers.TrainerCallback):
 def _train(tmp_path, *callbacks, **arguments):
     model = _model()
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
-        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", seed=0, data_seed=0, **arguments)
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        seed=0,
+        data_seed=0,
+        **arguments,
+    )
     watch = _Watch()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=[watch, *callbacks])
     trainer.train()
@@ -79,8 +99,12 @@ class _PeakAfterFirstStep(transformers.TrainerCallback):
             from remat.core._memtrack import StorageTracker
 
             inner = getattr(optimizer, "optimizer", optimizer)
-            self.known = [*model.parameters(), *model.buffers(), *optimizer_state(inner),
-                          *(p.grad for p in model.parameters() if p.grad is not None)]
+            self.known = [
+                *model.parameters(),
+                *model.buffers(),
+                *optimizer_state(inner),
+                *(p.grad for p in model.parameters() if p.grad is not None),
+            ]
             self.tracker = StorageTracker(known=self.known)
             self.tracker.__enter__()
 
@@ -99,16 +123,27 @@ def test_the_plan_holds_in_the_trainers_own_loop(tmp_path, accumulation):
     """NOTE [The step a loop repeats]: AdamW's state and step, and accumulated gradients, are in the plan."""
     peaks = {}
     for loop in ("trainer's", "bare"):
-        callback = RematCallback(budget=0.6, repeat=1, **({} if loop == "trainer's" else {"optimizer": None,
-                                                                                           "accumulation_steps": 1}))
+        callback = RematCallback(
+            budget=0.6, repeat=1, **({} if loop == "trainer's" else {"optimizer": None, "accumulation_steps": 1})
+        )
         watch = _PeakAfterFirstStep()
         model = _model()
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / loop), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
-            report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", seed=0, data_seed=0,
-            gradient_accumulation_steps=accumulation)
-        transformers.Trainer(model=model, args=args, train_dataset=_data() * accumulation,
-                             callbacks=[callback, watch]).train()
+            output_dir=str(tmp_path / loop),
+            max_steps=STEPS,
+            per_device_train_batch_size=BATCH,
+            learning_rate=1e-2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+            seed=0,
+            data_seed=0,
+            gradient_accumulation_steps=accumulation,
+        )
+        transformers.Trainer(
+            model=model, args=args, train_dataset=_data() * accumulation, callbacks=[callback, watch]
+        ).train()
         peaks[loop] = watch.peak, callback.plan
     peak, plan = peaks["trainer's"]
     assert "AdamW's state and step" in plan.loop and (accumulation == 1 or "over 2 backward passes" in plan.loop)
@@ -134,8 +169,17 @@ def _trained_on_a_device(tmp_path, capacity, *callbacks):
 
     model = _model()
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH, learning_rate=1e-2,
-        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", seed=0, data_seed=0)
+        output_dir=str(tmp_path),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        seed=0,
+        data_seed=0,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=list(callbacks))
     device = SimulatedDevice(capacity, [*model.parameters(), *model.buffers()])
     with device:

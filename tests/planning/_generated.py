@@ -64,8 +64,9 @@ class GenModel(nn.Module):
         self.blocks = nn.ModuleList(Block(d, mult, spec["drop"], b) for b in spec["blocks"])
         uses_shared = any(b["shared"] for b in spec["blocks"])
         self.shared = nn.Linear(d, mult * d) if uses_shared else None
-        self.offsets = nn.Parameter(0.1 * torch.randn(len(spec["calls"]), d)) if any(
-            c["offset"] for c in spec["calls"]) else None
+        self.offsets = (
+            nn.Parameter(0.1 * torch.randn(len(spec["calls"]), d)) if any(c["offset"] for c in spec["calls"]) else None
+        )
         self.head = nn.Linear(d, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,13 +89,18 @@ class GenModel(nn.Module):
 
 
 def block_specs() -> st.SearchStrategy[dict]:
-    return st.fixed_dictionaries({
-        # in-place ReLUs are rarer (while (4) and (7) are open they take selective out of the whole model);
-        # a rare value sits mid-list, as hypothesis draws the first and last indices more often
-        "bn": st.booleans(), "aux": st.booleans(), "relu_first": st.sampled_from([False] * 4 + [True] + [False] * 4),
-        "add_": st.sampled_from([False, True, False]), "shared": st.sampled_from([None, "add", "mul"]),
-        "act": st.sampled_from(["fn", "gelu"] * 2 + ["relu_"] + ["fn", "gelu"] * 2),
-    })
+    return st.fixed_dictionaries(
+        {
+            # in-place ReLUs are rarer (while (4) and (7) are open they take selective out of the whole model);
+            # a rare value sits mid-list, as hypothesis draws the first and last indices more often
+            "bn": st.booleans(),
+            "aux": st.booleans(),
+            "relu_first": st.sampled_from([False] * 4 + [True] + [False] * 4),
+            "add_": st.sampled_from([False, True, False]),
+            "shared": st.sampled_from([None, "add", "mul"]),
+            "act": st.sampled_from(["fn", "gelu"] * 2 + ["relu_"] + ["fn", "gelu"] * 2),
+        }
+    )
 
 
 @st.composite
@@ -113,10 +119,14 @@ def model_specs(draw: st.DrawFn) -> dict:
     offsets = st.booleans() if draw(st.booleans()) else st.just(False)
     calls = [{"skip": draw(skips), "offset": draw(offsets)} for _ in order]
     return {
-        "d": draw(st.sampled_from([8, 16])), "mult": draw(st.sampled_from([2, 4])),
-        "drop": draw(st.sampled_from([0.0, 0.1])), "eval": draw(st.booleans()),
+        "d": draw(st.sampled_from([8, 16])),
+        "mult": draw(st.sampled_from([2, 4])),
+        "drop": draw(st.sampled_from([0.0, 0.1])),
+        "eval": draw(st.booleans()),
         "input_grad": draw(st.sampled_from([False, True, False, False])),
-        "blocks": blocks, "order": order, "calls": calls,
+        "blocks": blocks,
+        "order": order,
+        "calls": calls,
     }
 
 
@@ -126,8 +136,17 @@ def spec(blocks: list[dict], order: list[int] | None = None, calls: list[dict] |
     blocks = [{**base, **b} for b in blocks]
     order = list(range(len(blocks))) if order is None else order
     calls = [{"skip": 0, "offset": False, **c} for c in (calls or [{} for _ in order])]
-    return {"d": 8, "mult": 2, "drop": 0.0, "eval": False, "input_grad": False, **top,
-            "blocks": blocks, "order": order, "calls": calls}
+    return {
+        "d": 8,
+        "mult": 2,
+        "drop": 0.0,
+        "eval": False,
+        "input_grad": False,
+        **top,
+        "blocks": blocks,
+        "order": order,
+        "calls": calls,
+    }
 
 
 def build(spec: dict) -> tuple[GenModel, torch.Tensor]:
@@ -159,8 +178,10 @@ class Untouched:
     def _snap(self) -> dict:
         m, x = self.model, self.x
         return {
-            "params": {n: (p.detach().clone(), p.requires_grad, None if p.grad is None else p.grad.clone())
-                       for n, p in m.named_parameters()},
+            "params": {
+                n: (p.detach().clone(), p.requires_grad, None if p.grad is None else p.grad.clone())
+                for n, p in m.named_parameters()
+            },
             "buffers": {n: b.clone() for n, b in m.named_buffers()},
             "training": {n: mod.training for n, mod in m.named_modules()},
             "forwards": {n for n, mod in m.named_modules() if "forward" in mod.__dict__},
@@ -201,10 +222,12 @@ def train_step(model: nn.Module, x: torch.Tensor, seed: int = 7) -> dict:
     loss = model(x)
     loss.backward()
     model.train(mode)
-    return {"loss": loss.detach().clone(),
-            "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
-            "buffers": {n: b.clone() for n, b in model.named_buffers()},
-            "x.grad": None if x.grad is None else x.grad.clone()}
+    return {
+        "loss": loss.detach().clone(),
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        "x.grad": None if x.grad is None else x.grad.clone(),
+    }
 
 
 def same_step(ref: dict, got: dict) -> list[str]:

@@ -21,8 +21,19 @@ def _fresh_dynamo():
 
 
 #: Two blocks: the compiled chain is fitted to 9 compiled steps (remat.planning._compiled.design).
-TINY = {"gpt2": {**GPT2, "layers": 2}, "llama": {"layers": 2, "hidden": 32, "intermediate": 88, "heads": 2,
-                                                 "kv_heads": 1, "vocab": 64, "seq": 128, "batch": 4}}
+TINY = {
+    "gpt2": {**GPT2, "layers": 2},
+    "llama": {
+        "layers": 2,
+        "hidden": 32,
+        "intermediate": 88,
+        "heads": 2,
+        "kv_heads": 1,
+        "vocab": 64,
+        "seq": 128,
+        "batch": 4,
+    },
+}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

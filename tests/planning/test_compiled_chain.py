@@ -11,9 +11,14 @@ from remat.planning._synthetic import synthetic_profile
 POLICIES = ("keep", "selective", "full")
 #: Bytes of the chain fitted to the 3-block GPT-2 of test_compiled_auto.py under aot_eager: negative
 #: ``during`` and ``head`` (a backward that frees before it peaks) included.
-TRUTH = ChainFit(saved={"keep": 3_088_000, "selective": 2_067_000, "full": 882_000},
-                 during={"keep": -1_370_000, "selective": -983_000, "full": 967_000},
-                 left=920_000, head=-1_326_000, margin=0, worst_error=0.0)
+TRUTH = ChainFit(
+    saved={"keep": 3_088_000, "selective": 2_067_000, "full": 882_000},
+    during={"keep": -1_370_000, "selective": -983_000, "full": 967_000},
+    left=920_000,
+    head=-1_326_000,
+    margin=0,
+    worst_error=0.0,
+)
 
 
 def _all(n):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import remat
@@ -74,17 +75,24 @@ class GenModel(nn.Module):
 
 
 block_specs = st.tuples(st.booleans(), st.sampled_from(["add", "mul"]), st.booleans())
-model_specs = st.fixed_dictionaries({
-    "d": st.sampled_from([16, 32]),
-    "mult": st.sampled_from([2, 4]),
-    "drop": st.sampled_from([0.0, 0.1]),
-    "shared": st.booleans(),
-    "skip": st.booleans(),
-    "eval": st.booleans(),
-    "blocks": st.lists(block_specs, min_size=3, max_size=5),
-})
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+model_specs = st.fixed_dictionaries(
+    {
+        "d": st.sampled_from([16, 32]),
+        "mult": st.sampled_from([2, 4]),
+        "drop": st.sampled_from([0.0, 0.1]),
+        "shared": st.booleans(),
+        "skip": st.booleans(),
+        "eval": st.booleans(),
+        "blocks": st.lists(block_specs, min_size=3, max_size=5),
+    }
+)
+SETTINGS = settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _build(spec: dict) -> tuple[GenModel, torch.Tensor]:
@@ -113,8 +121,10 @@ def _measured_as_applied(model: nn.Module, x: torch.Tensor) -> int:
 
 
 @SETTINGS
-@given(spec=model_specs, picks=st.lists(st.lists(st.sampled_from(POLICIES), min_size=5, max_size=5),
-                                        min_size=3, max_size=3))
+@given(
+    spec=model_specs,
+    picks=st.lists(st.lists(st.sampled_from(POLICIES), min_size=5, max_size=5), min_size=3, max_size=3),
+)
 def test_the_peak_model_never_under_predicts(spec: dict, picks: list[list[str]]) -> None:
     model, x = _build(spec)
     prof = remat.profile(model, x, repeat=1, warmup=0)
@@ -151,8 +161,15 @@ def test_auto_keeps_every_budget_and_lower_budgets_never_measure_higher(spec: di
 
 @pytest.mark.parametrize("aux", [False, True])
 def test_a_generated_model_is_planned_in_training_mode(aux: bool) -> None:
-    spec = {"d": 16, "mult": 2, "drop": 0.1, "shared": True, "skip": True, "eval": True,
-            "blocks": [(False, "add", aux), (True, "mul", False), (False, "add", aux)]}
+    spec = {
+        "d": 16,
+        "mult": 2,
+        "drop": 0.1,
+        "shared": True,
+        "skip": True,
+        "eval": True,
+        "blocks": [(False, "add", aux), (True, "mul", False), (False, "add", aux)],
+    }
     model, x = _build(spec)
     prof = remat.profile(model, x, repeat=1, warmup=0)
     assert prof.training and not model.training

@@ -166,8 +166,10 @@ def test_every_mix_is_predicted_on_the_safe_side_and_within_tolerance(profiled):
         assignment = dict(zip(names, pick))
         predicted, measured = prof.predict_peak(assignment), _measured(model, x, assignment)
         if not measured <= predicted <= measured * (1 + TOLERANCE):
-            bad.append(f"{''.join(p[0] for p in pick)}: predicted {predicted}, measured {measured} "
-                       f"({measured / predicted - 1:+.3%})")
+            bad.append(
+                f"{''.join(p[0] for p in pick)}: predicted {predicted}, measured {measured} "
+                f"({measured / predicted - 1:+.3%})"
+            )
     assert not bad, f"{name}: {len(bad)} of {3 ** len(names)} mixes: " + "; ".join(bad[:8])
 
 

@@ -102,8 +102,10 @@ def test_every_plan_measures_within_its_prediction(name):
         measured = dataflow.measured_peak(model, inputs, plan)
         assert plan.predicted_peak_bytes <= budget
         if measured > plan.predicted_peak_bytes * (1 + TOLERANCE):
-            failures.append(f"{dataflow.letters(plan)}: predicted {plan.predicted_peak_bytes}, measured {measured} "
-                            f"({measured / plan.predicted_peak_bytes - 1:+.3%}), budget {budget}")
+            failures.append(
+                f"{dataflow.letters(plan)}: predicted {plan.predicted_peak_bytes}, measured {measured} "
+                f"({measured / plan.predicted_peak_bytes - 1:+.3%}), budget {budget}"
+            )
     assert not failures, f"{name} under-predicted: " + "; ".join(failures)
 
 
@@ -170,6 +172,7 @@ def test_a_failure_message_names_every_policy_and_the_segments():
     # The tests above build their failure messages with dataflow.letters: a policy it had no letter for
     # (selective-ops) raised KeyError there and hid the predicted and measured peaks.
     policies = (*remat.POLICIES, "full-fine")
-    plan = remat.Plan({f"b{i}": p for i, p in enumerate(policies)}, 1, 0.0, 1, 1, None, "optimal", "M",
-                      segments=(("b3", "b4"),))
+    plan = remat.Plan(
+        {f"b{i}": p for i, p in enumerate(policies)}, 1, 0.0, 1, 1, None, "optimal", "M", segments=(("b3", "b4"),)
+    )
     assert dataflow.letters(plan) == "ksofF (b3..b4)"

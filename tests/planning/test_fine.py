@@ -70,8 +70,9 @@ def test_sub_layers_run_three_times_and_remove_undoes_everything(zoo_and_profile
     keys = list(zoo.model.state_dict())
     try:
         for policy, expected in (("keep", 1), ("full", 2), ("full-fine", 3)):
-            plan = remat.Plan({b.name: policy for b in prof.blocks}, 0, 0.0, 0, 0, None, "optimal",
-                              type(zoo.model).__name__)
+            plan = remat.Plan(
+                {b.name: policy for b in prof.blocks}, 0, 0.0, 0, 0, None, "optimal", type(zoo.model).__name__
+            )
             remat.apply(zoo.model, plan)
             calls.clear()
             zoo.model(**zoo.inputs).loss.backward()
@@ -150,8 +151,17 @@ def test_full_fine_blocks_inside_a_nested_segment_are_exact():
     nodes = (Node(0, end=2, children=(Node(0, fine),)), Node(2, fine))
     assignment, segments = to_plan(c, nodes)
     assignment = {b.name: assignment[b.name] for b in prof.blocks}  # in chain order, as remat.plan gives it
-    plan = remat.Plan(assignment, simulate(c, nodes), 0.0, prof.baseline_peak_bytes, 0, None, "optimal",
-                      type(zoo.model).__name__, segments=segments)
+    plan = remat.Plan(
+        assignment,
+        simulate(c, nodes),
+        0.0,
+        prof.baseline_peak_bytes,
+        0,
+        None,
+        "optimal",
+        type(zoo.model).__name__,
+        segments=segments,
+    )
     assert assignment[prof.blocks[0].name] == "full-fine" and segments  # blocks 0-1 one region, 0 full-fine
     run = lambda m: m(**zoo.inputs).loss  # noqa: E731
     torch.use_deterministic_algorithms(True)

@@ -7,16 +7,15 @@ device in tests/_device.py.
 
 import pytest
 import torch
+from _device import SimulatedDevice, resting
+from conftest import SMALL
+from test_verify import Block
 from torch import nn
 
 import remat
 from remat.core._step import input_tensors
 from remat.planning import _verify as verify_module
 from remat.zoo import build
-
-from _device import SimulatedDevice, resting
-from conftest import SMALL
-from test_verify import Block
 
 
 def _mlp():
@@ -30,10 +29,25 @@ ZOO = {
     "llama": SMALL["llama"],
     # ViT and ResNet with activations well above their parameters, so that 0.6 of the step is above the lowest
     # peak any plan reaches (a ResNet block under full keeps its input, half of what it keeps without checkpointing)
-    "vit": {"layers": 3, "hidden": 32, "intermediate": 64, "heads": 2, "image": 64, "patch": 8, "classes": 10,
-            "batch": 2, "dropout": 0.1},
-    "resnet50": {"depths": (3, 3), "hidden_sizes": (32, 32), "embedding_size": 4, "image": 32, "classes": 10,
-                 "batch": 8},
+    "vit": {
+        "layers": 3,
+        "hidden": 32,
+        "intermediate": 64,
+        "heads": 2,
+        "image": 64,
+        "patch": 8,
+        "classes": 10,
+        "batch": 2,
+        "dropout": 0.1,
+    },
+    "resnet50": {
+        "depths": (3, 3),
+        "hidden_sizes": (32, 32),
+        "embedding_size": 4,
+        "image": 32,
+        "classes": 10,
+        "batch": 8,
+    },
 }
 
 
@@ -155,12 +169,35 @@ def test_a_plan_the_device_refuses_in_its_step_leaves_the_model_restored():
 #: segments for small tensors) is small beside the budget.
 CUDA_ZOO = {
     "gpt2": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 2048, "seq": 256, "batch": 8},
-    "llama": {"layers": 4, "hidden": 256, "intermediate": 688, "heads": 4, "kv_heads": 2, "vocab": 2048, "seq": 256,
-              "batch": 8},
-    "vit": {"layers": 4, "hidden": 192, "intermediate": 768, "heads": 4, "image": 128, "patch": 8, "classes": 10,
-            "batch": 8, "dropout": 0.1},
-    "resnet50": {"depths": (3, 3), "hidden_sizes": (64, 64), "embedding_size": 8, "image": 128, "classes": 10,
-                 "batch": 16},
+    "llama": {
+        "layers": 4,
+        "hidden": 256,
+        "intermediate": 688,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 2048,
+        "seq": 256,
+        "batch": 8,
+    },
+    "vit": {
+        "layers": 4,
+        "hidden": 192,
+        "intermediate": 768,
+        "heads": 4,
+        "image": 128,
+        "patch": 8,
+        "classes": 10,
+        "batch": 8,
+        "dropout": 0.1,
+    },
+    "resnet50": {
+        "depths": (3, 3),
+        "hidden_sizes": (64, 64),
+        "embedding_size": 8,
+        "image": 128,
+        "classes": 10,
+        "batch": 16,
+    },
 }
 
 
@@ -304,8 +341,9 @@ def test_max_batch_tries_no_batch_predicted_over_the_budget(monkeypatch):
     zoo = build("llama", **options, batch=2)
     budget = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
     measured, peak = [], _run._step_peak
-    monkeypatch.setattr(_run, "_step_peak", lambda zoo, setup: measured.append(zoo.inputs["input_ids"].shape[0])
-                        or peak(zoo, setup))
+    monkeypatch.setattr(
+        _run, "_step_peak", lambda zoo, setup: measured.append(zoo.inputs["input_ids"].shape[0]) or peak(zoo, setup)
+    )
     # the budget is the step's peak at batch 2 to the byte; the device has room for the few bytes (a scalar) that
     # remat's step holds outside the step it tracks
     device = SimulatedDevice(budget + 1024)

@@ -43,11 +43,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from _generated import Untouched, build, features, model_specs, reference_step, same_step, spec, train_step
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 import remat
-from _generated import Untouched, build, features, model_specs, reference_step, same_step, spec, train_step
 from remat.core._state import capture
 from remat.planning._nested import Node, costs_of, simulate, to_plan
 
@@ -61,26 +62,26 @@ KNOWN = {
     5: "known (5): budget 1.0 plans recomputation instead of keep",
     6: "known (6): nested segments with a selective-ops block inside: predicted low",
     7: "NEW (7): in place on a saved op's output inside a block (Linear then ReLU(inplace=True), y.add_(x) "
-       "before BatchNorm): profile raises RecomputeError under selective",
+    "before BatchNorm): profile raises RecomputeError under selective",
     8: "NEW (8): the parent changes in place a full block's output that is a view (BatchNorm between "
-       "transposes): predicted one output low",
+    "transposes): predicted one output low",
     9: "NEW (9): the parent changes in place a full block's output made by y.add_(x) beside a shared tensor "
-       "added in: predicted one shared tensor low",
+    "added in: predicted one shared tensor low",
     10: "NEW (10): a nested segment over blocks called with different arguments runs them with the first "
-        "block's: the user's block raises (TypeError) instead of remat's refusal",
+    "block's: the user's block raises (TypeError) instead of remat's refusal",
     11: "NEW (11): a nested segment over a block whose output is a view (BatchNorm between transposes) the "
-        "parent keeps in a list: predicted low",
+    "parent keeps in a list: predicted low",
     12: "NEW (12): a nested segment over blocks adding in a tensor shared by all blocks: predicted one shared "
-        "tensor low",
+    "tensor low",
     13: "NEW (13): a full block adding in a shared tensor and returning an aux loss of an inner activation, "
-        "beside a block multiplying the shared tensor in: predicted low",
+    "beside a block multiplying the shared tensor in: predicted low",
     14: "NEW (14): a nested segment over a block that starts with nn.ReLU(inplace=True) (writes its input): "
-        "predicted low",
+    "predicted low",
     15: "NEW (15): the next block's nn.ReLU(inplace=True) writes a full block's output, a view (BatchNorm "
-        "between transposes), beside a shared tensor added in: predicted one shared tensor low",
+    "between transposes), beside a shared tensor added in: predicted one shared tensor low",
     16: "NEW (16): remat.auto below the peak without checkpointing plans on a fake profile, which predicts a "
-        "full BatchNorm block (on a transposed input) one activation low: the CPU kernel's contiguous copy is "
-        "not made on fake tensors (auto's real step still holds the budget)",
+    "full BatchNorm block (on a transposed input) one activation low: the CPU kernel's contiguous copy is "
+    "not made on fake tensors (auto's real step still holds the budget)",
 }
 #: Fixed on main: (1)-(5) and (7); (6) stays for hand-built plans (the planner keeps selective blocks out of
 #: segments).
@@ -137,9 +138,13 @@ class Run:
         try:
             self.prof = remat.profile(self.model, self.x, **self.options)
         except remat.RematError as err:
-            self.check(False, "profile", f"remat.profile raised {err!r:.300}",
-                       (4, any(b["relu_first"] for b in blocks)),
-                       (7, any(b["act"] == "relu_" or b["add_"] for b in blocks)))
+            self.check(
+                False,
+                "profile",
+                f"remat.profile raised {err!r:.300}",
+                (4, any(b["relu_first"] for b in blocks)),
+                (7, any(b["act"] == "relu_" or b["add_"] for b in blocks)),
+            )
             self.options["policies"] = ("keep", "full")  # what can be tested of the model while (4), (7) are open
             self.prof = remat.profile(self.model, self.x, **self.options)
         self.check_untouched("profile")
@@ -156,8 +161,12 @@ class Run:
 
     def check_untouched(self, what: str) -> None:
         for problem in self.untouched.problems():
-            self.check(False, f"untouched-{what.split()[0]}", f"{what}: {problem}",
-                       (3, problem.startswith("input .grad") and self.spec["input_grad"]))
+            self.check(
+                False,
+                f"untouched-{what.split()[0]}",
+                f"{what}: {problem}",
+                (3, problem.startswith("input .grad") and self.spec["input_grad"]),
+            )
             self.x.grad = None  # masked by (3): the next calls start from the input as the user gave it
 
     def measured(self) -> int:
@@ -173,29 +182,37 @@ class Run:
         names = [b.name for b in self.prof.blocks]
         inside = [k for first, last in plan.segments for k in range(names.index(first), names.index(last) + 1)]
         blocks, twice = self.spec["blocks"], self.twice
-        return [(2, any(plan.assignment.get(b) == "selective-ops" for b in twice)),
-                (3, self.spec["input_grad"]),
-                (6, any(plan.assignment[names[k]].startswith("selective") for k in inside)),
-                (8, self.inplace and any(b["bn"] for b in blocks)),
-                (9, self.inplace and any(b["add_"] and b["shared"] == "add" for b in blocks)),
-                (11, any(blocks[k]["bn"] for k in inside)),
-                (12, any(blocks[k]["shared"] == "add" for k in inside)),
-                (13, any(b["aux"] and b["shared"] == "add" for b in blocks)
-                 and any(b["shared"] == "mul" for b in blocks)),
-                (14, any(blocks[k]["relu_first"] for k in inside)),
-                (15, any(b["relu_first"] for b in blocks) and any(b["bn"] and b["shared"] == "add" for b in blocks)),
-                (16, plan.measured_peak_bytes is not None and any(b["bn"] for b in blocks))]
+        return [
+            (2, any(plan.assignment.get(b) == "selective-ops" for b in twice)),
+            (3, self.spec["input_grad"]),
+            (6, any(plan.assignment[names[k]].startswith("selective") for k in inside)),
+            (8, self.inplace and any(b["bn"] for b in blocks)),
+            (9, self.inplace and any(b["add_"] and b["shared"] == "add" for b in blocks)),
+            (11, any(blocks[k]["bn"] for k in inside)),
+            (12, any(blocks[k]["shared"] == "add" for k in inside)),
+            (13, any(b["aux"] and b["shared"] == "add" for b in blocks) and any(b["shared"] == "mul" for b in blocks)),
+            (14, any(blocks[k]["relu_first"] for k in inside)),
+            (15, any(b["relu_first"] for b in blocks) and any(b["bn"] and b["shared"] == "add" for b in blocks)),
+            (16, plan.measured_peak_bytes is not None and any(b["bn"] for b in blocks)),
+        ]
 
     def check_applied(self, plan: remat.Plan, what: str) -> int:
         """Budget, prediction and the step's results with ``plan`` on the model; its measured peak."""
         measured, predicted = self.measured(), plan.predicted_peak_bytes
         low = self.low(plan)
         # auto measured its plan, so its budget holds whatever the prediction; remat.plan's holds where it does
-        self.check(plan.budget_bytes is None or measured <= plan.budget_bytes, "budget",
-                   f"{what}: measured {measured} > budget {plan.budget_bytes} (predicted {predicted})",
-                   *(low if plan.measured_peak_bytes is None else ()))
-        self.check(measured <= predicted * (1 + TOLERANCE), "predict",
-                   f"{what}: predicted {predicted} < measured {measured} ({measured / predicted - 1:+.2%})", *low)
+        self.check(
+            plan.budget_bytes is None or measured <= plan.budget_bytes,
+            "budget",
+            f"{what}: measured {measured} > budget {plan.budget_bytes} (predicted {predicted})",
+            *(low if plan.measured_peak_bytes is None else ()),
+        )
+        self.check(
+            measured <= predicted * (1 + TOLERANCE),
+            "predict",
+            f"{what}: predicted {predicted} < measured {measured} ({measured / predicted - 1:+.2%})",
+            *low,
+        )
         state = capture(self.model)
         try:
             got = train_step(self.model, self.x.detach().clone().requires_grad_(self.x.requires_grad))
@@ -218,17 +235,22 @@ class Run:
         """Hand-made plans (the planner, which weighs time, may never pick them): a policy per block in order, one
         level deep, then with blocks ``segment`` = (first, count) as one nested segment (its last block full)."""
         names = [b.name for b in self.prof.blocks]
-        pols = ([p if p in self.prof.policies else "full" for p in policies] + ["keep"] * len(names))[:len(names)]
+        pols = ([p if p in self.prof.policies else "full" for p in policies] + ["keep"] * len(names))[: len(names)]
         none = remat.plan(self.prof, strategy="none")
         assignment = dict(zip(names, pols))
-        self.applied(replace(none, assignment=assignment, predicted_peak_bytes=self.prof.predict_peak(assignment)),
-                     f"assignment {assignment}")
+        self.applied(
+            replace(none, assignment=assignment, predicted_peak_bytes=self.prof.predict_peak(assignment)),
+            f"assignment {assignment}",
+        )
         c, (lo, hi) = costs_of(self.prof), (segment[0], segment[0] + segment[1])
         if c is None or hi > len(names) or list(c.chain.blocks) != names:
             return  # no nested view of this profile (not a chain), or no room for the segment
         node = lambda k: Node(k, c.chain.policies.index(pols[k]))  # noqa: E731
-        nodes = (*map(node, range(lo)), Node(lo, end=hi, children=tuple(map(node, range(lo, hi - 1)))),
-                 *map(node, range(hi, len(names))))
+        nodes = (
+            *map(node, range(lo)),
+            Node(lo, end=hi, children=tuple(map(node, range(lo, hi - 1)))),
+            *map(node, range(hi, len(names))),
+        )
         assignment, segments = to_plan(c, nodes)
         assignment = {n: assignment[n] for n in names}  # in chain order: apply reads the chain from it
         plan = replace(none, assignment=assignment, segments=segments, predicted_peak_bytes=simulate(c, nodes))
@@ -265,16 +287,25 @@ class Run:
         what = f"remat.auto({budget}) -> {plan.assignment} {plan.segments}"
         try:
             measured = self.check_applied(plan, what)
-            self.check(measured == plan.measured_peak_bytes, "auto-measured",
-                       f"{what}: auto measured {plan.measured_peak_bytes}, measure says {measured}")
+            self.check(
+                measured == plan.measured_peak_bytes,
+                "auto-measured",
+                f"{what}: auto measured {plan.measured_peak_bytes}, measure says {measured}",
+            )
         finally:
             remat.remove(self.model)
         self.check_untouched("auto+remove")
         return measured
 
 
-def check_model(spec: dict, points: list[float], policies: list[str] = (), segment: tuple[int, int] = (0, 2),
-                open_bugs: set[int] = OPEN, autos: int = 2) -> None:
+def check_model(
+    spec: dict,
+    points: list[float],
+    policies: list[str] = (),
+    segment: tuple[int, int] = (0, 2),
+    open_bugs: set[int] = OPEN,
+    autos: int = 2,
+) -> None:
     """Every property on the model of ``spec``: plans at ``points`` (0: the floor, 1: the baseline) nested, below
     the one-level floor (where nested plans are made) and one level deep; ``policies`` (and ``segment``) by hand;
     ``remat.auto`` at the ``autos`` highest of 1.0 and ``points``."""
@@ -297,8 +328,9 @@ def check_model(spec: dict, points: list[float], policies: list[str] = (), segme
         if measured is not None:
             peaks.append((fraction, measured))
     for (f1, p1), (f2, p2) in zip(peaks, peaks[1:]):
-        run.check(p1 >= p2, "monotone", f"auto: budget {f2:.4f} measured {p2} > budget {f1:.4f} measured {p1}",
-                  (5, f1 >= 1.0))
+        run.check(
+            p1 >= p2, "monotone", f"auto: budget {f2:.4f} measured {p2} > budget {f1:.4f} measured {p1}", (5, f1 >= 1.0)
+        )
 
 
 @FAST
@@ -336,9 +368,15 @@ FOUND = {
 }
 
 
-@pytest.mark.parametrize("bug", [
-    pytest.param(bug, id=f"bug{bug}", marks=pytest.mark.xfail(bug in OPEN, reason=KNOWN[bug], raises=Fail, strict=True))
-    for bug in FOUND])
+@pytest.mark.parametrize(
+    "bug",
+    [
+        pytest.param(
+            bug, id=f"bug{bug}", marks=pytest.mark.xfail(bug in OPEN, reason=KNOWN[bug], raises=Fail, strict=True)
+        )
+        for bug in FOUND
+    ],
+)
 def test_found(bug: int) -> None:
     found, options = FOUND[bug]
     check_model(found, **{"points": [], "autos": 0, **options}, open_bugs=OPEN - {bug})

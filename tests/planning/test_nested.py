@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -24,8 +23,14 @@ from remat.planning._synthetic import fixed_times
 def conv_chain(channels: int = 8, n: int = 6, norm: bool = True) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Conv2d(3, channels, 3, padding=1)]
     for _ in range(n):
-        layers.append(nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1),
-                                    nn.BatchNorm2d(channels) if norm else nn.Identity(), nn.ReLU(), nn.Dropout(0.1)))
+        layers.append(
+            nn.Sequential(
+                nn.Conv2d(channels, channels, 3, padding=1),
+                nn.BatchNorm2d(channels) if norm else nn.Identity(),
+                nn.ReLU(),
+                nn.Dropout(0.1),
+            )
+        )
     return nn.Sequential(*layers)
 
 
@@ -45,7 +50,7 @@ def test_nested_plans_keep_selective_blocks_out_of_segments_and_are_exact():
     for fraction in (0.25, 0.5, 0.75, 1.0):
         budget = int(floor + fraction * (one_level - 1 - floor))
         plan = remat.plan(prof, budget)
-        inside = {n for first, last in plan.segments for n in names[names.index(first):names.index(last) + 1]}
+        inside = {n for first, last in plan.segments for n in names[names.index(first) : names.index(last) + 1]}
         remat.apply(model, plan)
         try:
             measured = remat.measure(model, x, repeat=1, warmup=1).peak_bytes
@@ -240,8 +245,17 @@ class _Gated(nn.Module):
 
 def _loop_plan(segments, model="_Loop"):
     names = [f"layers.{i}" for i in range(4)]
-    return remat.Plan({n: "keep" for n in names} | {"layers.3": "full", "layers.1": "full"}, 1, 0.0, 1, 1, None,
-                      "optimal", model, segments=segments)
+    return remat.Plan(
+        {n: "keep" for n in names} | {"layers.3": "full", "layers.1": "full"},
+        1,
+        0.0,
+        1,
+        1,
+        None,
+        "optimal",
+        model,
+        segments=segments,
+    )
 
 
 def test_segments_over_a_module_list_loop_match_gradients():
@@ -351,11 +365,20 @@ def test_nested_plans_on_the_zoo_are_exact(name):
     zoo = build(name, **sizes, **({"intermediate": 128} if name == "llama" else {}))
     prof = remat.profile(zoo.model, zoo.inputs)
     c = costs_of(prof)
-    keep, full = c.chain.policies.index("keep"), c.full
+    keep = c.chain.policies.index("keep")
     nodes = (Node(0, end=4, children=(Node(0, end=2, children=(Node(0, keep),)), Node(2, keep))),)
     assignment, segments = to_plan(c, nodes)
-    plan = remat.Plan({b.name: assignment[b.name] for b in prof.blocks}, simulate(c, nodes), 0.0,
-                      prof.baseline_peak_bytes, 0, None, "optimal", type(zoo.model).__name__, segments=segments)
+    plan = remat.Plan(
+        {b.name: assignment[b.name] for b in prof.blocks},
+        simulate(c, nodes),
+        0.0,
+        prof.baseline_peak_bytes,
+        0,
+        None,
+        "optimal",
+        type(zoo.model).__name__,
+        segments=segments,
+    )
     torch.use_deterministic_algorithms(True)
     try:
         torch.manual_seed(0)
@@ -388,8 +411,20 @@ def _synthetic(n: int, seed: int) -> Costs:
     bwd_delta = np.stack([-(act + prev) + grads, -prev + grads], axis=1)
     bwd_peak = np.stack([out + rng.integers(0, 40, n), out + act + rng.integers(0, 40, n)], axis=1)
     extra = np.stack([np.zeros(n), rng.uniform(1, 2, n)], axis=1)
-    chain = Chain([str(i) for i in range(n)], ["keep", "full"], fwd_delta, fwd_peak, bwd_peak,
-                  np.zeros(n, np.int64), np.array([20, 20]), np.array([40, 40]), 1000, 1000, extra, bwd_delta)
+    chain = Chain(
+        [str(i) for i in range(n)],
+        ["keep", "full"],
+        fwd_delta,
+        fwd_peak,
+        bwd_peak,
+        np.zeros(n, np.int64),
+        np.array([20, 20]),
+        np.array([40, 40]),
+        1000,
+        1000,
+        extra,
+        bwd_delta,
+    )
     return Costs(chain, out, rng.uniform(0.5, 1.0, n), 1)
 
 

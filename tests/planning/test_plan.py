@@ -6,15 +6,13 @@ import math
 
 import pytest
 import torch
+from conftest import SMALL, assert_buffers_equal, assert_grads_equal, assert_state_equal, residual_chain, twin
 
 import remat
 from remat.core._state import capture
 from remat.planning._solve import chain_of, solve
-from remat.planning.plan import PLAN_SCHEMA
 from remat.planning._synthetic import synthetic_profile
 from remat.zoo import build
-
-from conftest import SMALL, assert_buffers_equal, assert_grads_equal, assert_state_equal, residual_chain, twin
 
 
 @pytest.fixture(scope="module")
@@ -98,20 +96,48 @@ def test_two_hundred_blocks_plan():
     assert len(plan.assignment) == 200 and plan.checkpointed
 
 
-@pytest.mark.parametrize("budget, expected", [
-    ("6GiB", 6 * 2**30), ("500MB", 5 * 10**8), ("0.5", 5 * 10**8), (0.5, 5 * 10**8), ("50%", 5 * 10**8),
-    (1.0, 10**9), (1, 10**9), ("1", 10**9), ("100%", 10**9), (123456789, 123456789), ("123456789", 123456789),
-    (6e9, 6 * 10**9), ("6e9", 6 * 10**9), (" 2 gib ", 2 * 2**30), ("1.5GiB", 3 * 2**29), ("4096B", 4096),
-])
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        ("6GiB", 6 * 2**30),
+        ("500MB", 5 * 10**8),
+        ("0.5", 5 * 10**8),
+        (0.5, 5 * 10**8),
+        ("50%", 5 * 10**8),
+        (1.0, 10**9),
+        (1, 10**9),
+        ("1", 10**9),
+        ("100%", 10**9),
+        (123456789, 123456789),
+        ("123456789", 123456789),
+        (6e9, 6 * 10**9),
+        ("6e9", 6 * 10**9),
+        (" 2 gib ", 2 * 2**30),
+        ("1.5GiB", 3 * 2**29),
+        ("4096B", 4096),
+    ],
+)
 def test_budget_forms(budget, expected):
     assert remat.parse_budget(budget, baseline_bytes=10**9) == expected
 
 
-@pytest.mark.parametrize("budget, why", [
-    (1.5, "ambiguous"), ("1.5", "ambiguous"), (2, "ambiguous"), ("1023", "ambiguous"), (1500.5, "ambiguous"),
-    ("101%", "above 100%"), (0, "positive"), ("-1GB", "positive"), (float("inf"), "positive"),
-    ("0.5 GiBs", "cannot be read"), ("5O%", "cannot be read"), ([0.5], "is a list"),
-])
+@pytest.mark.parametrize(
+    "budget, why",
+    [
+        (1.5, "ambiguous"),
+        ("1.5", "ambiguous"),
+        (2, "ambiguous"),
+        ("1023", "ambiguous"),
+        (1500.5, "ambiguous"),
+        ("101%", "above 100%"),
+        (0, "positive"),
+        ("-1GB", "positive"),
+        (float("inf"), "positive"),
+        ("0.5 GiBs", "cannot be read"),
+        ("5O%", "cannot be read"),
+        ([0.5], "is a list"),
+    ],
+)
 def test_ambiguous_budgets_are_refused_with_the_accepted_forms(budget, why):
     with pytest.raises(remat.RematError, match=why) as info:
         remat.parse_budget(budget, baseline_bytes=10**9)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_buffers_equal, assert_grads_equal, twin
 from torch import nn
 
 import remat
 from remat.profiling._blocks import find_blocks
-from conftest import assert_buffers_equal, assert_grads_equal, twin
 
 BATCH = 256
 
@@ -58,25 +58,49 @@ def _sample(o):
 def unet2d():
     diffusers = pytest.importorskip("diffusers")
     model = diffusers.UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-        norm_num_groups=4, attention_head_dim=4)
+        sample_size=8,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+        attention_head_dim=4,
+    )
     return model, {"sample": torch.randn(2, 3, 8, 8), "timestep": torch.tensor([3, 7])}, _sample
 
 
 def unet2d_condition():
     diffusers = pytest.importorskip("diffusers")
     model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=4)
-    inputs = {"sample": torch.randn(2, 4, 8, 8), "timestep": torch.tensor([3, 7]),
-              "encoder_hidden_states": torch.randn(2, 5, 8)}
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        norm_num_groups=4,
+        attention_head_dim=4,
+    )
+    inputs = {
+        "sample": torch.randn(2, 4, 8, 8),
+        "timestep": torch.tensor([3, 7]),
+        "encoder_hidden_states": torch.randn(2, 5, 8),
+    }
     return model, inputs, _sample
 
 
-MODELS = {"flat-mlp": flat_mlp, "flat-conv": flat_conv_chain, "layer-list": layer_list,
-          "alternating": alternating, "unet2d": unet2d, "unet2d-condition": unet2d_condition}
+MODELS = {
+    "flat-mlp": flat_mlp,
+    "flat-conv": flat_conv_chain,
+    "layer-list": layer_list,
+    "alternating": alternating,
+    "unet2d": unet2d,
+    "unet2d-condition": unet2d_condition,
+}
 
 
 def _train_step(model, inputs, loss_fn, seed=0):
@@ -146,9 +170,10 @@ def test_the_doctor_is_quiet_on_these_models_without_checkpointing(name):
 def test_a_flat_conv_chain_reaches_the_floor_of_the_same_chain_written_as_blocks():
     torch.manual_seed(0)
     flat, x, _ = flat_conv_chain()
-    blocks = nn.Sequential(flat[0], *(nn.Sequential(*flat[i:i + 3]) for i in range(1, 25, 3)), flat[25], flat[26])
-    floors = [remat.plan(remat.profile(m, x, repeat=1, warmup=0), strategy="none").min_peak_bytes
-              for m in (flat, blocks)]
+    blocks = nn.Sequential(flat[0], *(nn.Sequential(*flat[i : i + 3]) for i in range(1, 25, 3)), flat[25], flat[26])
+    floors = [
+        remat.plan(remat.profile(m, x, repeat=1, warmup=0), strategy="none").min_peak_bytes for m in (flat, blocks)
+    ]
     assert floors[0] <= floors[1], floors
 
 
@@ -160,9 +185,11 @@ class MidSkip(nn.Module):
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mid = None
         for i, layer in enumerate(self.layers):
             x = layer(x)
-            mid = x if i == 3 else (mid if i > 3 else None)
+            if i == 3:
+                mid = x
         return x + mid
 
 

@@ -194,10 +194,13 @@ def test_eval_mode_runs_the_class_forward(heavy):
         assert torch.equal(evaluated, model(x)) and torch.equal(trained, model.train()(x))
 
 
-@pytest.mark.parametrize("cls, why", [
-    (Branchy, "data-dependent control flow"),
-    (Sized, "torch.fx cannot trace its forward (TypeError"),
-])
+@pytest.mark.parametrize(
+    "cls, why",
+    [
+        (Branchy, "data-dependent control flow"),
+        (Sized, "torch.fx cannot trace its forward (TypeError"),
+    ],
+)
 def test_a_model_that_cannot_be_traced_is_told_why_and_left_as_it_was(cls, why):
     model, x = cls(), torch.randn(8)
     untouched = Untouched(model)

@@ -75,8 +75,10 @@ def _x() -> torch.Tensor:
 def _floors(prof: remat.Profile) -> tuple[int, int]:
     """(the nested floor were the chain pure, the one-level floor)."""
     pure = dataclasses.replace(prof, unchained=())
-    return (remat.plan(pure, strategy="none").min_peak_bytes,
-            remat.plan(prof, strategy="none", nested=False).min_peak_bytes)
+    return (
+        remat.plan(pure, strategy="none").min_peak_bytes,
+        remat.plan(prof, strategy="none", nested=False).min_peak_bytes,
+    )
 
 
 def _nested_plan(prof: remat.Profile, first: str, last: str) -> remat.Plan:

@@ -22,8 +22,13 @@ def test_cuda_policies_while_active_and_cpu_policies_after():
     cpu = _dtypes()
     with cuda_autocast_lists():
         cuda = _dtypes()
-    assert cuda == {"pow": torch.float32, "softmax": torch.float32, "layer_norm": torch.float32,
-                    "mm": torch.bfloat16, "add": torch.float32}
+    assert cuda == {
+        "pow": torch.float32,
+        "softmax": torch.float32,
+        "layer_norm": torch.float32,
+        "mm": torch.bfloat16,
+        "add": torch.float32,
+    }
     assert cpu["pow"] == torch.bfloat16 and cpu["softmax"] == torch.bfloat16 and cpu["mm"] == torch.bfloat16
     assert _dtypes() == cpu
 

@@ -15,15 +15,18 @@ def qkv(dtype=torch.float32, heads=4, kv_heads=4, dim=64, seq=128, device="meta"
     return make(heads), make(kv_heads), make(kv_heads)
 
 
-@pytest.mark.parametrize("rules,dtype,kv,mask,dropout,gqa,want", [
-    (H100.sdpa, torch.float32, 4, None, 0.1, False, "efficient"),  # GPT-2 fp32 on the H100
-    (H100.sdpa, torch.float32, 2, None, 0.0, True, "math"),  # Llama fp32: efficient takes no GQA
-    (H100.sdpa, torch.bfloat16, 2, None, 0.0, True, "cudnn"),  # bf16 runs took cuDNN
-    (H100.sdpa, torch.bfloat16, 4, None, 0.1, False, "cudnn"),
-    (A100.sdpa, torch.bfloat16, 2, None, 0.0, True, "flash"),  # cuDNN last off sm90
-    (A100.sdpa, torch.bfloat16, 4, "mask", 0.0, False, "efficient"),  # flash takes no mask
-    (H100.sdpa, torch.float32, 2, None, 0.0, False, "math"),  # head counts differ without enable_gqa
-])
+@pytest.mark.parametrize(
+    "rules,dtype,kv,mask,dropout,gqa,want",
+    [
+        (H100.sdpa, torch.float32, 4, None, 0.1, False, "efficient"),  # GPT-2 fp32 on the H100
+        (H100.sdpa, torch.float32, 2, None, 0.0, True, "math"),  # Llama fp32: efficient takes no GQA
+        (H100.sdpa, torch.bfloat16, 2, None, 0.0, True, "cudnn"),  # bf16 runs took cuDNN
+        (H100.sdpa, torch.bfloat16, 4, None, 0.1, False, "cudnn"),
+        (A100.sdpa, torch.bfloat16, 2, None, 0.0, True, "flash"),  # cuDNN last off sm90
+        (A100.sdpa, torch.bfloat16, 4, "mask", 0.0, False, "efficient"),  # flash takes no mask
+        (H100.sdpa, torch.float32, 2, None, 0.0, False, "math"),  # head counts differ without enable_gqa
+    ],
+)
 def test_backend_choice(rules, dtype, kv, mask, dropout, gqa, want):
     q, k, v = qkv(dtype, kv_heads=kv)
     m = torch.empty(128, 128, dtype=torch.bool, device="meta") if mask else None
@@ -65,8 +68,11 @@ def test_fake_step_takes_the_cuda_kernels_in_forward_and_backward():
             y = F.dropout(x, 0.1)
             out = F.scaled_dot_product_attention(y, y, y, dropout_p=0.1, is_causal=True)
             out.sum().backward()
-    assert {"native_dropout.default", "_scaled_dot_product_efficient_attention.default",
-            "_scaled_dot_product_efficient_attention_backward.default"} <= log.seen
+    assert {
+        "native_dropout.default",
+        "_scaled_dot_product_efficient_attention.default",
+        "_scaled_dot_product_efficient_attention_backward.default",
+    } <= log.seen
     assert "bernoulli_.float" not in log.seen  # CPU's dropout draws a float mask
     y = F.dropout(torch.ones(1000), 0.5)  # the CPU kernels are back
     assert set(y.unique().tolist()) <= {0.0, 2.0}

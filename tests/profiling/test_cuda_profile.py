@@ -6,11 +6,10 @@ and plans at 0.8 / 0.6 / 0.45 of the un-checkpointed peak never over their budge
 
 import pytest
 import torch
+from conftest import measure_assignment
 
 import remat
 from remat.zoo import build
-
-from conftest import measure_assignment
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MODELS = {"gpt2": {}, "llama": {}}  # zoo defaults: 6 blocks each
@@ -33,8 +32,12 @@ def test_allocator_level_profile_on_cuda(name):
     zoo = _on_cuda(name)
     prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=2, warmup=1)
     names = [b.name for b in prof.blocks]
-    for assignment in ({}, {n: "full" for n in names}, {n: "selective" for n in names},
-                       {n: ("full", "keep")[i % 2] for i, n in enumerate(names)}):
+    for assignment in (
+        {},
+        {n: "full" for n in names},
+        {n: "selective" for n in names},
+        {n: ("full", "keep")[i % 2] for i, n in enumerate(names)},
+    ):
         measured = _measured(zoo, assignment).peak_bytes
         predicted = prof.predict_peak(assignment)
         assert abs(predicted - measured) <= 0.01 * measured, (assignment, predicted, measured)
@@ -42,5 +45,8 @@ def test_allocator_level_profile_on_cuda(name):
         plan = remat.plan(prof, fraction)
         measured = _measured(zoo, plan.assignment).peak_bytes
         assert measured <= plan.budget_bytes, (fraction, measured, plan.budget_bytes)
-        assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (fraction, plan.predicted_peak_bytes,
-                                                                             measured)
+        assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (
+            fraction,
+            plan.predicted_peak_bytes,
+            measured,
+        )

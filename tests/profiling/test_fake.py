@@ -4,13 +4,13 @@ import itertools
 
 import pytest
 import torch
+from conftest import Interruptible, UntouchedByCtrlC
 from torch import nn
 
 import remat
 from remat.profiling import _fake
 from remat.profiling.targets import TARGETS, calibrate_cpu, get_target
 from remat.zoo import build
-from conftest import Interruptible, UntouchedByCtrlC
 
 
 class TinyTransformer(nn.Module):
@@ -80,8 +80,9 @@ def test_ctrl_c_in_a_fake_profile_leaves_everything_as_it_was(monkeypatch, swap,
         return fake_like(mode, t)
 
     monkeypatch.setattr(_fake, "_fake_like", interrupted)
-    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
-                                          optimizer=optimizer, fake=True, target="a100"))
+    untouched.check(
+        lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"], optimizer=optimizer, fake=True, target="a100")
+    )
     assert all(p is params[n] for n, p in model.named_parameters())
     assert all(p is q for p, q in zip(optimizer.param_groups[0]["params"], params.values(), strict=True))
 
@@ -89,8 +90,16 @@ def test_ctrl_c_in_a_fake_profile_leaves_everything_as_it_was(monkeypatch, swap,
 def test_llama_7b_shape_profiles_without_allocating():
     """Llama-2-7B shape (32 layers, hidden 4096, seq 4096), built on the meta device."""
     tf = pytest.importorskip("transformers")
-    config = tf.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                            num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, use_cache=False)
+    config = tf.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        use_cache=False,
+    )
     with torch.device("meta"):
         model = tf.LlamaForCausalLM(config)
     ids = torch.randint(0, 32000, (1, 4096))

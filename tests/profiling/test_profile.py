@@ -5,14 +5,22 @@ import random
 
 import pytest
 import torch
+from conftest import (
+    SMALL,
+    Interruptible,
+    UntouchedByCtrlC,
+    assert_state_equal,
+    ctrl_c_while_restoring_rng,
+    measure_assignment,
+    measure_wrapped,
+    residual_chain,
+)
 from torch import nn
 
 import remat
 from remat.core._state import capture
 from remat.profiling._blocks import find_blocks
 from remat.zoo import build
-from conftest import (SMALL, Interruptible, UntouchedByCtrlC, assert_state_equal, ctrl_c_while_restoring_rng,
-                      measure_assignment, measure_wrapped, residual_chain)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,13 @@ def _assignments(names):
     rng = random.Random(0)
     mixed = {n: rng.choice(["keep", "selective", "full"]) for n in names}
     mixed[names[0]], mixed[names[-1]] = "selective", "keep"  # make sure it is mixed
-    return {"none": {}, "all full": {n: "full" for n in names}, "all selective": {n: "selective" for n in names},
-            "mixed": mixed, "first full": {names[0]: "full"}}
+    return {
+        "none": {},
+        "all full": {n: "full" for n in names},
+        "all selective": {n: "selective" for n in names},
+        "mixed": mixed,
+        "first full": {names[0]: "full"},
+    }
 
 
 @pytest.mark.parametrize("model", list(SMALL))
@@ -53,8 +66,9 @@ def test_blocks_found_automatically():
     assert find_blocks(gpt2) == [f"transformer.h.{i}" for i in range(3)]
     deep = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(10)])
     assert find_blocks(deep) == [str(i) for i in range(10)]
-    stages = nn.Sequential(*[nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
-                             for _ in range(2)])
+    stages = nn.Sequential(
+        *[nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)]) for _ in range(2)]
+    )
     assert find_blocks(stages, "coarse") == ["0", "1"]
     assert find_blocks(stages) == [f"{i}.{j}" for i in range(2) for j in range(3)]  # refined: < 8 coarse blocks
 
@@ -72,6 +86,7 @@ def test_explicit_blocks_and_bad_names():
 
 def test_flops_and_recompute_flops_are_exact():
     width, batch = 32, 8
+
     def block():
         return nn.Sequential(nn.Linear(width, width, bias=False), nn.ReLU(), nn.Linear(width, width, bias=False))
 
@@ -118,7 +133,10 @@ def test_profile_restores_model_state_when_it_raises():
     remat.wrap(model.blocks[1], policy="selective")  # the user's own wrapping must survive too
     x = torch.randn(3, 4)
     before = capture(model)
-    with pytest.raises(remat.RematError, match=r"raised ValueError in Fails.forward \(outside every block\) during a profiled step: boom") as info:
+    with pytest.raises(
+        remat.RematError,
+        match=r"raised ValueError in Fails.forward \(outside every block\) during a profiled step: boom",
+    ) as info:
         remat.profile(model, x, repeat=1, warmup=0)
     assert isinstance(info.value.__cause__, ValueError)
     assert_state_equal(before, capture(model))
@@ -182,8 +200,9 @@ def test_ctrl_c_in_a_profiled_step_leaves_everything_as_it_was(at):
     model, x = Interruptible(at), torch.randn(4, 8)
     optimizer = torch.optim.AdamW(model.parameters())
     untouched = UntouchedByCtrlC(model, optimizer)
-    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
-                                          optimizer=optimizer, warmup=1, repeat=1))
+    untouched.check(
+        lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"], optimizer=optimizer, warmup=1, repeat=1)
+    )
 
 
 def test_ctrl_c_while_profile_restores_waits_until_everything_is_back(monkeypatch):
@@ -193,8 +212,9 @@ def test_ctrl_c_while_profile_restores_waits_until_everything_is_back(monkeypatc
     optimizer = torch.optim.AdamW(model.parameters())
     untouched = UntouchedByCtrlC(model, optimizer)
     ctrl_c_while_restoring_rng(monkeypatch, start=2)
-    untouched.check(lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"],
-                                          optimizer=optimizer, warmup=1, repeat=1))
+    untouched.check(
+        lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"], optimizer=optimizer, warmup=1, repeat=1)
+    )
 
 
 def test_json_round_trip_and_table(profiles):
@@ -239,8 +259,12 @@ def test_autocast_weight_casts_are_freed_by_the_blocks_that_made_them():
     prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=1, warmup=0)
     names = [b.name for b in prof.blocks]
     assert any(c.cast_release for c in prof.segments["full"].values())  # the cache did free copies
-    for assignment in ({n: "full" for n in names[:2]}, {n: "full" for n in names[2:]},
-                       {n: ("full", "keep")[i % 2] for i, n in enumerate(names)}, {names[0]: "selective"}):
+    for assignment in (
+        {n: "full" for n in names[:2]},
+        {n: "full" for n in names[2:]},
+        {n: ("full", "keep")[i % 2] for i, n in enumerate(names)},
+        {names[0]: "selective"},
+    ):
         predicted, measured = prof.predict_peak(assignment), _measured(zoo, assignment)
         assert abs(predicted - measured) <= 0.01 * measured, (assignment, predicted, measured)
 

@@ -39,8 +39,9 @@ def test_plans_predict_the_loops_peak_to_the_byte(profiled, name):
     for budget in _budgets(prof):
         plan = remat.plan(prof, budget)
         remat.apply(zoo.model, plan)
-        measured = remat.measure(zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=steps, warmup=0,
-                                 repeat=1)
+        measured = remat.measure(
+            zoo.model, zoo.inputs, optimizer=optimizer, accumulation_steps=steps, warmup=0, repeat=1
+        )
         remat.remove(zoo.model)
         assert measured.grads_ok
         assert measured.peak_bytes == plan.predicted_peak_bytes <= budget, (budget, plan.assignment, plan.segments)
@@ -73,8 +74,13 @@ def test_fake_profiles_of_the_loop_equal_real_ones(profiled, name):
     with torch.device("meta"):
         meta = build("gpt2", **SIZES)
     make = LOOPS[name][0]
-    fake = remat.profile(meta.model, zoo.inputs, optimizer=make(meta.model.parameters()) if make else None,
-                         accumulation_steps=steps, fake=True)
+    fake = remat.profile(
+        meta.model,
+        zoo.inputs,
+        optimizer=make(meta.model.parameters()) if make else None,
+        accumulation_steps=steps,
+        fake=True,
+    )
     assert (fake.resting_bytes, fake.optimizer_bytes) == (prof.resting_bytes, prof.optimizer_bytes)
     for budget in _budgets(prof, nested=False):
         assignment = remat.plan(prof, budget, nested=False).assignment
@@ -99,9 +105,19 @@ def test_the_optimizers_step_is_a_segment_and_can_set_the_peak():
     for assignment in ({}, {b.name: "full" for b in prof.blocks}):
         timeline = prof.timeline(assignment)
         assert max(top for _, _, top in timeline) == timeline[-1][2] > max(top for _, _, top in timeline[:-1])
-        remat.apply(model, remat.Plan(assignment={b.name: assignment.get(b.name, "keep") for b in prof.blocks},
-                                      predicted_peak_bytes=0, predicted_overhead=0.0, baseline_peak_bytes=0,
-                                      min_peak_bytes=0, budget_bytes=None, strategy="hand", model="Sequential"))
+        remat.apply(
+            model,
+            remat.Plan(
+                assignment={b.name: assignment.get(b.name, "keep") for b in prof.blocks},
+                predicted_peak_bytes=0,
+                predicted_overhead=0.0,
+                baseline_peak_bytes=0,
+                min_peak_bytes=0,
+                budget_bytes=None,
+                strategy="hand",
+                model="Sequential",
+            ),
+        )
         measured = remat.measure(model, x, optimizer=optimizer, warmup=0, repeat=1).peak_bytes
         remat.remove(model)
         assert measured == prof.predict_peak(assignment)

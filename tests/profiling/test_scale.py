@@ -25,9 +25,13 @@ def test_scaled_profile_predicts_a_third_batch(profiles):
     # Every byte count is affine in the batch on GPT-2: interpolated and extrapolated
     # predictions equal the real profile's for every uniform and mixed assignment.
     names = [b.name for b in profiles[2].blocks]
-    assignments = [{}, {n: "full" for n in names}, {n: "selective" for n in names},
-                   dict(zip(names, ["full", "keep", "selective"]))]
-    for (b1, b2, target) in [(2, 7, 4), (2, 4, 7)]:
+    assignments = [
+        {},
+        {n: "full" for n in names},
+        {n: "selective" for n in names},
+        dict(zip(names, ["full", "keep", "selective"])),
+    ]
+    for b1, b2, target in [(2, 7, 4), (2, 4, 7)]:
         scaled = profile_at_batch(profiles[b1], b1, profiles[b2], b2, target)
         for a in assignments:
             real, predicted = profiles[target].predict_peak(a), scaled.predict_peak(a)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import measure_wrapped
 from torch import nn
 
 import remat
@@ -10,23 +11,35 @@ from remat.core.checkpoint import _STRUCTURES
 from remat.profiling._schedule import trace_schedule
 from remat.zoo import build
 
-from conftest import measure_wrapped
-
 
 def test_schedule_learns_in_selective_ops_trace_only_when_both_are_profiled():
     assert trace_schedule(("keep", "selective", "selective-ops", "full")) == [
-        ("keep", "keep", False), ("selective-ops", "selective", False), ("selective", "selective", False),
-        ("full", "full", False)]
+        ("keep", "keep", False),
+        ("selective-ops", "selective", False),
+        ("selective", "selective", False),
+        ("full", "full", False),
+    ]
     assert trace_schedule(("keep", "selective-ops", "selective")) == [
-        ("keep", "keep", False), ("selective-ops", "selective", False), ("selective", "selective", False)]
+        ("keep", "keep", False),
+        ("selective-ops", "selective", False),
+        ("selective", "selective", False),
+    ]
     assert trace_schedule(("keep", "selective", "full")) == [
-        ("keep", "keep", False), ("selective", "selective", True), ("full", "full", False)]
-    assert trace_schedule(("keep", "selective-ops")) == [("keep", "keep", False), ("selective-ops", "selective-ops", False)]
+        ("keep", "keep", False),
+        ("selective", "selective", True),
+        ("full", "full", False),
+    ]
+    assert trace_schedule(("keep", "selective-ops")) == [
+        ("keep", "keep", False),
+        ("selective-ops", "selective-ops", False),
+    ]
 
 
 def _costs(prof, policy):
-    return ([(b.name, b.saved_bytes[policy], b.bwd_flops[policy]) for b in prof.blocks],
-            prof.predict_peak({b.name: policy for b in prof.blocks}))
+    return (
+        [(b.name, b.saved_bytes[policy], b.bwd_flops[policy]) for b in prof.blocks],
+        prof.predict_peak({b.name: policy for b in prof.blocks}),
+    )
 
 
 @pytest.mark.parametrize("trained_before", [False, True])
@@ -43,10 +56,13 @@ def test_one_profile_of_both_selective_policies_equals_a_profile_of_each(trained
         for m in blocks:
             remat.unwrap(m)
         zoo.model.zero_grad(set_to_none=True)
-    both = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1,
-                         policies=("keep", "selective", "selective-ops", "full"))
-    alone = {p: remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1, policies=("keep", p))
-             for p in ("selective", "selective-ops")}
+    both = remat.profile(
+        zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1, policies=("keep", "selective", "selective-ops", "full")
+    )
+    alone = {
+        p: remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1, policies=("keep", p))
+        for p in ("selective", "selective-ops")
+    }
     for policy, prof in alone.items():
         assert _costs(both, policy) == _costs(prof, policy), policy
     assert _costs(both, "selective") != _costs(both, "selective-ops")  # the test can tell them apart

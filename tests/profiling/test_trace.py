@@ -48,8 +48,9 @@ def _record(allocator=False, clock=None):
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
     remat.wrap(model[1], policy="full")
     tracker = StorageTracker(known=list(model.parameters()))
-    recorder = SegmentRecorder(model, ["0", "1", "2"], tracker=tracker, clock=clock,
-                               allocator=_Allocator(tracker) if allocator else None)
+    recorder = SegmentRecorder(
+        model, ["0", "1", "2"], tracker=tracker, clock=clock, allocator=_Allocator(tracker) if allocator else None
+    )
     with recorder, tracker:
         _run_step(model, torch.randn(8, 16), lambda out: out.sum(), recorder)
     return recorder.segments

@@ -11,5 +11,14 @@ from remat.bench._rows import BenchRow, MaxBatchResult
 from remat.bench._run import QUICK, bench_model, max_batch, run_bench, search_max
 from remat.bench._timeline import plot_timeline
 
-__all__ = ["BenchReport", "BenchRow", "MaxBatchResult", "bench_model", "max_batch", "plot_timeline", "run_bench",
-           "search_max", "QUICK"]
+__all__ = [
+    "BenchReport",
+    "BenchRow",
+    "MaxBatchResult",
+    "bench_model",
+    "max_batch",
+    "plot_timeline",
+    "run_bench",
+    "search_max",
+    "QUICK",
+]

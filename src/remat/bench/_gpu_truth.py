@@ -85,5 +85,15 @@ def compare(truth: dict[str, Any], label: str, profile: Profile) -> list[Row]:
     """Every assignment of configuration ``label``, predicted by ``profile``."""
     rows = truth["models"][label]["assignments"]
     base_t, base_p = rows["none"]["t"], profile.predict_time({})
-    return [Row(label, name, row["policies"], row["peak"], profile.predict_peak(row["policies"]),
-                row["t"] / base_t, profile.predict_time(row["policies"]) / base_p) for name, row in rows.items()]
+    return [
+        Row(
+            label,
+            name,
+            row["policies"],
+            row["peak"],
+            profile.predict_peak(row["policies"]),
+            row["t"] / base_t,
+            profile.predict_time(row["policies"]) / base_p,
+        )
+        for name, row in rows.items()
+    ]

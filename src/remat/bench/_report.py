@@ -30,8 +30,11 @@ class BenchReport:
     notes: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"meta": self.meta, "notes": self.notes,
-                "rows": [{**asdict(r), "predicted_error": r.predicted_error} for r in self.rows]}
+        return {
+            "meta": self.meta,
+            "notes": self.notes,
+            "rows": [{**asdict(r), "predicted_error": r.predicted_error} for r in self.rows],
+        }
 
     def markdown(self) -> str:
         return markdown(self)
@@ -42,18 +45,22 @@ def _yes(flag: bool) -> str:
 
 
 def _row(r: BenchRow, none: BenchRow) -> str:
-    predicted = ("" if r.predicted_peak_bytes is None
-                 else f"{human_bytes(r.predicted_peak_bytes)} ({r.predicted_error:+.1%})")
+    predicted = (
+        "" if r.predicted_peak_bytes is None else f"{human_bytes(r.predicted_peak_bytes)} ({r.predicted_error:+.1%})"
+    )
     overhead = "" if r.predicted_overhead is None else f"{1 + r.predicted_overhead:.2f}x"
     _, lo, hi = paired_difference(r, none)
     spread = "" if r is none else f" [{1 + lo:.2f}, {1 + hi:.2f}]"
-    return (f"| {r.setup} | {human_bytes(r.peak_bytes)} | {r.peak_ratio:.2f} | {r.time_s * 1e3:.0f} ms | "
-            f"{r.time_ratio:.2f}x{spread} | {_yes(r.grads_equal)} | {_yes(r.buffers_equal)} | {predicted} | "
-            f"{overhead} |")
+    return (
+        f"| {r.setup} | {human_bytes(r.peak_bytes)} | {r.peak_ratio:.2f} | {r.time_s * 1e3:.0f} ms | "
+        f"{r.time_ratio:.2f}x{spread} | {_yes(r.grads_equal)} | {_yes(r.buffers_equal)} | {predicted} | "
+        f"{overhead} |"
+    )
 
 
-def paired_difference(a: BenchRow, b: BenchRow, *, share: float = 1.0,
-                      resamples: int = 2000) -> tuple[float, float, float]:
+def paired_difference(
+    a: BenchRow, b: BenchRow, *, share: float = 1.0, resamples: int = 2000
+) -> tuple[float, float, float]:
     """Median over rounds of ``a``'s overhead minus ``share`` times ``b``'s (in units of no
     checkpointing's step time), and its 90% bootstrap interval."""
     diffs = [(x - 1) - share * (y - 1) for x, y in zip(a.round_ratios, b.round_ratios)]
@@ -83,8 +90,10 @@ def _baseline_points(base: list[BenchRow], ours: list[BenchRow]) -> list[str]:
             out.append(head + "**not matched**: no remat point reaches its peak")
             continue
         r, d = min(fitting, key=lambda x: x[1][0])
-        out.append(head + f"{_verdict(d, 'matched by', 'within noise of', '**not matched** by')} {r.setup} "
-                   f"({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; time vs it {_vs(d)})")
+        out.append(
+            head + f"{_verdict(d, 'matched by', 'within noise of', '**not matched** by')} {r.setup} "
+            f"({r.peak_ratio:.2f} peak, {r.time_ratio:.2f}x; time vs it {_vs(d)})"
+        )
     return out
 
 
@@ -116,12 +125,15 @@ def targets(rows: list[BenchRow]) -> list[str]:
                 cheapest = min(fitting, key=lambda b: b.time_ratio)
                 d = paired_difference(r, cheapest, share=0.5)
                 verdict = _verdict(d, "at most half", "more than half, within noise", "**more than half**")
-                out.append(f"{r.setup}: overhead {r.time_ratio - 1:+.2f} vs cheapest fitting baseline "
-                           f"{cheapest.setup} {cheapest.time_ratio - 1:+.2f} -> {verdict} "
-                           f"(overhead minus half of it: {_vs(d)})")
+                out.append(
+                    f"{r.setup}: overhead {r.time_ratio - 1:+.2f} vs cheapest fitting baseline "
+                    f"{cheapest.setup} {cheapest.time_ratio - 1:+.2f} -> {verdict} "
+                    f"(overhead minus half of it: {_vs(d)})"
+                )
     out.append(_dominated(base, ours))
-    fractions = sorted((r for r in ours if "remat 0" in r.setup or "remat min" in r.setup),
-                       key=lambda r: -(r.budget_bytes or 0))
+    fractions = sorted(
+        (r for r in ours if "remat 0" in r.setup or "remat min" in r.setup), key=lambda r: -(r.budget_bytes or 0)
+    )
     rising = [f"{a.setup} -> {b.setup}" for a, b in zip(fractions, fractions[1:]) if b.peak_bytes > a.peak_bytes]
     out.append("measured peak rises as the budget falls: " + (", ".join(rising) or "never"))
     worst = max((abs(e) for r in ours if (e := r.predicted_error) is not None), default=0.0)
@@ -135,18 +147,25 @@ def targets(rows: list[BenchRow]) -> list[str]:
 
 def markdown(report: BenchReport) -> str:
     meta = report.meta
-    lines = [f"Run {meta['date']}, torch {meta['torch']}, {meta['machine']}, {meta['threads']} threads, "
-             f"{meta['sizes']}. Command: `{meta['command']}`.", "",
-             "Step time: median over interleaved rounds (shuffled order) of the ratio to no checkpointing in the "
-             "same round; [90%]: bootstrap interval of that median. Comparisons below use per-round differences "
-             "(median [90% interval], in units of no checkpointing's step).", ""]
+    lines = [
+        f"Run {meta['date']}, torch {meta['torch']}, {meta['machine']}, {meta['threads']} threads, "
+        f"{meta['sizes']}. Command: `{meta['command']}`.",
+        "",
+        "Step time: median over interleaved rounds (shuffled order) of the ratio to no checkpointing in the "
+        "same round; [90%]: bootstrap interval of that median. Comparisons below use per-round differences "
+        "(median [90% interval], in units of no checkpointing's step).",
+        "",
+    ]
     for model in dict.fromkeys(r.model for r in report.rows):
         rows = [r for r in report.rows if r.model == model]
         none = next(r for r in rows if r.setup == "none")
-        lines += [f"### {model}", "",
-                  "| setup | peak | x none | step | x none [90%] | grads equal | buffers equal "
-                  "| predicted peak (error) | predicted time |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {model}",
+            "",
+            "| setup | peak | x none | step | x none [90%] | grads equal | buffers equal "
+            "| predicted peak (error) | predicted time |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         lines += [_row(r, none) for r in rows]
         lines += ["", *[f"- {t}" for t in targets(rows)], *[f"- {n}" for n in report.notes.get(model, [])], ""]
     return "\n".join(lines)
@@ -154,7 +173,9 @@ def markdown(report: BenchReport) -> str:
 
 #: Per kind of non-remat row: marker style and label offset (baselines filled dots, torch.compile open squares).
 _POINT_STYLE: dict[str, tuple[dict[str, Any], tuple[int, int]]] = {
-    "baseline": ({"fmt": "o"}, (4, 4)), "compile": ({"fmt": "s", "mfc": "white"}, (4, -8))}
+    "baseline": ({"fmt": "o"}, (4, 4)),
+    "compile": ({"fmt": "s", "mfc": "white"}, (4, -8)),
+}
 
 
 def _error_bars(rs: list[BenchRow], none: BenchRow) -> list[list[float]]:
@@ -178,13 +199,23 @@ def plot(report: BenchReport, out_dir: pathlib.Path) -> list[pathlib.Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in (r for r in rows if r.kind in _POINT_STYLE):
             style, offset = _POINT_STYLE[r.kind]
-            ax.errorbar(r.peak_bytes / 2**20, r.time_ratio, yerr=_error_bars([r], none), ms=6, capsize=3, zorder=3,
-                        **style)
-            ax.annotate(r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=offset,
-                        textcoords="offset points")
+            ax.errorbar(
+                r.peak_bytes / 2**20, r.time_ratio, yerr=_error_bars([r], none), ms=6, capsize=3, zorder=3, **style
+            )
+            ax.annotate(
+                r.setup, (r.peak_bytes / 2**20, r.time_ratio), fontsize=7, xytext=offset, textcoords="offset points"
+            )
         ours = sorted((r for r in rows if r.kind == "remat"), key=lambda r: r.peak_bytes)
-        ax.errorbar([r.peak_bytes / 2**20 for r in ours], [r.time_ratio for r in ours], yerr=_error_bars(ours, none),
-                    fmt="o-", color="black", capsize=3, label="remat plans (bars: 90% interval)", zorder=2)
+        ax.errorbar(
+            [r.peak_bytes / 2**20 for r in ours],
+            [r.time_ratio for r in ours],
+            yerr=_error_bars(ours, none),
+            fmt="o-",
+            color="black",
+            capsize=3,
+            label="remat plans (bars: 90% interval)",
+            zorder=2,
+        )
         ax.set_xlabel("peak memory of a training step (MiB)")
         ax.set_ylabel("step time / no checkpointing")
         ax.set_title(f"{model}: memory vs time")

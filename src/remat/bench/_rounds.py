@@ -25,8 +25,14 @@ Progress = Callable[[str, int, int], None]
 round here); the CLI's progress bar (``remat.cli._ui.Ui.progress``) is one."""
 
 
-def interleaved_rounds(timed: Sequence[Callable[[], float]], *, warmup: int, repeat: int,
-                       label: str = "timing", progress: Progress | None = None) -> list[list[float]]:
+def interleaved_rounds(
+    timed: Sequence[Callable[[], float]],
+    *,
+    warmup: int,
+    repeat: int,
+    label: str = "timing",
+    progress: Progress | None = None,
+) -> list[list[float]]:
     """Per candidate, the seconds it reported in each of ``repeat`` rounds after ``warmup`` rounds.
 
     Each candidate is a callable that runs one step and returns the seconds that
@@ -34,8 +40,10 @@ def interleaved_rounds(timed: Sequence[Callable[[], float]], *, warmup: int, rep
     calls them in an order shuffled with seed ``r``, so reruns repeat it.
     """
     if warmup < 0 or repeat < 1:
-        raise RematError(f"remat: timing needs warmup >= 0 and at least one timed round, got warmup={warmup}, "
-                         f"repeat={repeat}; pass a positive number of rounds.")
+        raise RematError(
+            f"remat: timing needs warmup >= 0 and at least one timed round, got warmup={warmup}, "
+            f"repeat={repeat}; pass a positive number of rounds."
+        )
     times: list[list[float]] = [[] for _ in timed]
     order = list(range(len(timed)))
     for r in range(warmup + repeat):
@@ -54,8 +62,14 @@ def ratio_to(times: Sequence[float], reference: Sequence[float]) -> float:
     return statistics.median(a / b for a, b in zip(times, reference, strict=True))
 
 
-def timed_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, *,
-               on: Callable[[], None] | None = None, off: Callable[[], None] | None = None) -> Callable[[], float]:
+def timed_step(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None,
+    *,
+    on: Callable[[], None] | None = None,
+    off: Callable[[], None] | None = None,
+) -> Callable[[], float]:
     """A candidate for :func:`interleaved_rounds`: one training step of ``model``, timed.
 
     ``on``/``off`` run around it, untimed (installing and removing a setup).

@@ -60,8 +60,12 @@ class MaxBatchResult:
         from remat.profiling._format import human_bytes
 
         base = self.batches.get("none") or 0
-        lines = [f"Max batch for {self.model} under {human_bytes(self.budget_bytes)}:", "",
-                 "| strategy | max batch | x none | peak at that batch | batches tried |", "|---|---|---|---|---|"]
+        lines = [
+            f"Max batch for {self.model} under {human_bytes(self.budget_bytes)}:",
+            "",
+            "| strategy | max batch | x none | peak at that batch | batches tried |",
+            "|---|---|---|---|---|",
+        ]
         for s, b in self.batches.items():
             ratio = f"{b / base:.2f}" if base else "-"
             lines.append(f"| {s} | {b} | {ratio} | {human_bytes(self.peaks.get(s, 0))} | {self.tried[s]} |")

@@ -40,7 +40,6 @@ from remat.bench._report import BenchReport
 from remat.bench._rounds import Progress, interleaved_rounds, timed_step
 from remat.bench._rows import BenchRow, MaxBatchResult
 from remat.bench._setups import Setup, baselines, remat_plan, torch_compile
-from remat.zoo import ZooModel, build
 from remat.core._memtrack import empty_device_cache
 from remat.core._state import capture, restoring
 from remat.core._step import training_step
@@ -49,23 +48,40 @@ from remat.errors import RematError
 from remat.planning.plan import Plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._types import Profile
+from remat.zoo import ZooModel, build
 
 __all__ = ["bench_model", "max_batch", "run_bench", "search_max", "QUICK"]
 
-_COMPILE_NOTE = ("torch.compile rows: peak from the CPU allocator's own reports (compiled kernels bypass the "
-                 "dispatcher that remat's tracker sits in), taken after the step that compiles; gradients are not "
-                 "bit-equal by design (inductor fuses and reorders float work and draws dropout from its own RNG). "
-                 "Compile time is not in the step time.")
+_COMPILE_NOTE = (
+    "torch.compile rows: peak from the CPU allocator's own reports (compiled kernels bypass the "
+    "dispatcher that remat's tracker sits in), taken after the step that compiles; gradients are not "
+    "bit-equal by design (inductor fuses and reorders float work and draws dropout from its own RNG). "
+    "Compile time is not in the step time."
+)
 
 #: Small sizes for ``--quick`` (the smoke test in the suite).
 QUICK: dict[str, dict[str, Any]] = {
     "seed-cifar": {"batch": 32},
     "gpt2": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
-    "llama": {"layers": 4, "hidden": 64, "intermediate": 172, "heads": 4, "kv_heads": 2, "vocab": 512, "seq": 64,
-              "batch": 2},
+    "llama": {
+        "layers": 4,
+        "hidden": 64,
+        "intermediate": 172,
+        "heads": 4,
+        "kv_heads": 2,
+        "vocab": 512,
+        "seq": 64,
+        "batch": 2,
+    },
     "vit": {"layers": 4, "hidden": 64, "intermediate": 128, "heads": 4, "image": 32, "patch": 8, "classes": 10},
-    "resnet50": {"image": 32, "batch": 2, "depths": (1, 1), "hidden_sizes": (32, 64), "embedding_size": 16,
-                 "classes": 10},
+    "resnet50": {
+        "image": 32,
+        "batch": 2,
+        "depths": (1, 1),
+        "hidden_sizes": (32, 64),
+        "embedding_size": 16,
+        "classes": 10,
+    },
 }
 
 
@@ -126,21 +142,24 @@ def _compiled_peak(zoo: ZooModel) -> int:
         state.restore()
 
 
-def _interleaved_times(zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int,
-                       progress: Progress | None) -> list[list[float]]:
+def _interleaved_times(
+    zoo: ZooModel, setups: Sequence[Setup], *, warmup: int, repeat: int, progress: Progress | None
+) -> list[list[float]]:
     """Per setup, its step time in each timed round (every setup once per round, shuffled order)."""
-    steps = [timed_step(zoo.model, zoo.inputs, zoo.loss_fn, on=partial(s.on, zoo.model),
-                        off=partial(s.off, zoo.model)) for s in setups]
+    steps = [
+        timed_step(zoo.model, zoo.inputs, zoo.loss_fn, on=partial(s.on, zoo.model), off=partial(s.off, zoo.model))
+        for s in setups
+    ]
     state = capture(zoo.model)
     try:
-        return interleaved_rounds(steps, warmup=warmup, repeat=repeat, label=f"{zoo.name}: timing",
-                                  progress=progress)
+        return interleaved_rounds(steps, warmup=warmup, repeat=repeat, label=f"{zoo.name}: timing", progress=progress)
     finally:
         state.restore()
 
 
-def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int],
-                  notes: list[str]) -> list[Setup]:
+def _remat_setups(
+    zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int], notes: list[str]
+) -> list[Setup]:
     """One setup per distinct plan; budgets that give the same plan share its row (label ``a = b``)."""
     minimum = remat.plan(prof, 1.0).min_peak_bytes
     wanted = [(f"remat {b}", b if b != "min" else minimum) for b in budgets]
@@ -155,9 +174,11 @@ def _remat_setups(zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], ba
         key = (tuple(sorted(plan.assignment.items())), plan.segments)
         plans.setdefault(key, ([], plan))[0].append(label)
     if minimum >= 0.99 * prof.baseline_peak_bytes:
-        notes.append("No plan lowers the peak by more than 1%: it is set where recomputation rebuilds the same "
-                     "tensors (inside the first block's backward), so remat keeps every block instead of "
-                     "recomputing for nothing.")
+        notes.append(
+            "No plan lowers the peak by more than 1%: it is set where recomputation rebuilds the same "
+            "tensors (inside the first block's backward), so remat keeps every block instead of "
+            "recomputing for nothing."
+        )
     return [remat_plan(plan, " = ".join(labels)) for labels, plan in plans.values()]
 
 
@@ -165,13 +186,21 @@ def _check_compile_budgets(budgets: Sequence[float]) -> None:
     """A RematError unless every ``torch.compile`` activation memory budget is a fraction in [0, 1]."""
     bad = [b for b in budgets if not 0.0 <= b <= 1.0]
     if bad:
-        raise RematError(f"remat.bench: torch.compile budgets {bad} are outside [0, 1]: give activation memory "
-                         "budgets between 0 and 1 (1: save what the default partitioner saves, 0: recompute all).")
+        raise RematError(
+            f"remat.bench: torch.compile budgets {bad} are outside [0, 1]: give activation memory "
+            "budgets between 0 and 1 (1: save what the default partitioner saves, 0: recompute all)."
+        )
 
 
-def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"), warmup: int = 2,
-                repeat: int = 7, compile_budgets: Sequence[float] = (),
-                progress: Progress | None = None) -> tuple[list[BenchRow], list[str]]:
+def bench_model(
+    zoo: ZooModel,
+    *,
+    budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"),
+    warmup: int = 2,
+    repeat: int = 7,
+    compile_budgets: Sequence[float] = (),
+    progress: Progress | None = None,
+) -> tuple[list[BenchRow], list[str]]:
     """Rows for one model: baselines, remat at ``budgets`` and at each baseline's measured peak.
 
     ``compile_budgets``: also ``torch.compile`` at these activation memory
@@ -185,35 +214,53 @@ def bench_model(zoo: ZooModel, *, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35
         notes.append(_COMPILE_NOTE)
     peaks = {s.name: _peak(zoo, s) for s in base}
     setups = base + _remat_setups(zoo, prof, budgets, peaks, notes)
-    for s in setups[len(base):]:
+    for s in setups[len(base) :]:
         peaks[s.name] = _peak(zoo, s)
     reference = _one_step_state(zoo, base[0])
     graphs = _compiled_graphs()
     times = _interleaved_times(zoo, setups, warmup=warmup, repeat=repeat, progress=progress)
     if _compiled_graphs() != graphs:
-        notes.append(f"torch.compile compiled {_compiled_graphs() - graphs} graph(s) during the timed rounds "
-                     "(a guard failed), so some compile rows' times include compiling.")
+        notes.append(
+            f"torch.compile compiled {_compiled_graphs() - graphs} graph(s) during the timed rounds "
+            "(a guard failed), so some compile rows' times include compiling."
+        )
     rows = []
     for setup, t in zip(setups, times):
         grads_ok, buffers_ok = _check(reference, zoo, setup)
         plan = setup.plan
         ratios = tuple(a / b for a, b in zip(t, times[0]))
-        rows.append(BenchRow(
-            model=zoo.name, setup=setup.name, kind=setup.kind, peak_bytes=peaks[setup.name],
-            peak_ratio=peaks[setup.name] / peaks["none"], time_s=statistics.median(t),
-            time_ratio=statistics.median(ratios), round_ratios=ratios,
-            grads_equal=grads_ok, buffers_equal=buffers_ok,
-            budget_bytes=plan.budget_bytes if plan else None,
-            predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
-            predicted_overhead=plan.predicted_overhead if plan else None,
-        ))
+        rows.append(
+            BenchRow(
+                model=zoo.name,
+                setup=setup.name,
+                kind=setup.kind,
+                peak_bytes=peaks[setup.name],
+                peak_ratio=peaks[setup.name] / peaks["none"],
+                time_s=statistics.median(t),
+                time_ratio=statistics.median(ratios),
+                round_ratios=ratios,
+                grads_equal=grads_ok,
+                buffers_equal=buffers_ok,
+                budget_bytes=plan.budget_bytes if plan else None,
+                predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
+                predicted_overhead=plan.predicted_overhead if plan else None,
+            )
+        )
     return rows, notes
 
 
-def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"),
-              options: dict[str, dict] | None = None, warmup: int = 2, repeat: int = 7,
-              compile_budgets: Sequence[float] = (), progress: Progress | None = None,
-              command: str = "") -> BenchReport:
+def run_bench(
+    models: Sequence[str],
+    *,
+    quick: bool = False,
+    budgets: Sequence[Any] = (0.9, 0.75, 0.5, 0.35, "min"),
+    options: dict[str, dict] | None = None,
+    warmup: int = 2,
+    repeat: int = 7,
+    compile_budgets: Sequence[float] = (),
+    progress: Progress | None = None,
+    command: str = "",
+) -> BenchReport:
     """Benchmark each zoo model in ``models`` (``quick``: small sizes, 2 timed rounds)."""
     _check_compile_budgets(compile_budgets)  # before building or profiling anything
     rows: list[BenchRow] = []
@@ -223,9 +270,14 @@ def run_bench(models: Sequence[str], *, quick: bool = False, budgets: Sequence[A
         if progress:
             progress(f"{name}: profiling", i, len(models))
         zoo = build(name, **sizes)
-        model_rows, notes[name] = bench_model(zoo, budgets=budgets, warmup=min(warmup, 1) if quick else warmup,
-                                              repeat=2 if quick else repeat, compile_budgets=compile_budgets,
-                                              progress=progress)
+        model_rows, notes[name] = bench_model(
+            zoo,
+            budgets=budgets,
+            warmup=min(warmup, 1) if quick else warmup,
+            repeat=2 if quick else repeat,
+            compile_budgets=compile_budgets,
+            progress=progress,
+        )
         rows.extend(model_rows)
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -283,9 +335,15 @@ def _predicted(zoo: ZooModel, blocks: list[str], strategy: str) -> tuple[Profile
     """(the fake profile of ``zoo``'s step, its predicted peak under ``strategy``; for remat the lowest)."""
     from remat.planning.apply import device_target
 
-    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, blocks=blocks, fake=True,
-                         target=device_target(zoo.model, zoo.inputs),
-                         policies=("keep", "full") if strategy != "remat" else ("keep", "selective", "full"))
+    prof = remat.profile(
+        zoo.model,
+        zoo.inputs,
+        zoo.loss_fn,
+        blocks=blocks,
+        fake=True,
+        target=device_target(zoo.model, zoo.inputs),
+        policies=("keep", "full") if strategy != "remat" else ("keep", "selective", "full"),
+    )
     if strategy == "none":
         return prof, prof.baseline_peak_bytes
     if strategy == "every-block":
@@ -317,8 +375,9 @@ def _measured_within(zoo: ZooModel, setup: Setup, budget: int, batch: int, peaks
     return peaks[batch] <= budget
 
 
-def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int],
-          predictions: dict[int, int]) -> bool:
+def _fits(
+    name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int], predictions: dict[int, int]
+) -> bool:
     zoo = build(name, **{**options, "batch": batch})
     blocks = list(zoo.blocks) or find_blocks(zoo.model)
     prof, predictions[batch] = _predicted(zoo, blocks, strategy)  # NOTE [max-batch runs no step predicted ...]
@@ -330,8 +389,15 @@ def _fits(name: str, options: dict, strategy: str, budget: int, batch: int, peak
     return _measured_within(zoo, {"none": none, "every-block": every}[strategy], budget, batch, peaks)
 
 
-def max_batch(name: str, budget_bytes: int, *, strategies: Sequence[str] = ("none", "every-block", "remat"),
-              options: dict | None = None, limit: int = 1024, progress: Progress | None = None) -> MaxBatchResult:
+def max_batch(
+    name: str,
+    budget_bytes: int,
+    *,
+    strategies: Sequence[str] = ("none", "every-block", "remat"),
+    options: dict | None = None,
+    limit: int = 1024,
+    progress: Progress | None = None,
+) -> MaxBatchResult:
     """Largest batch of zoo model ``name`` whose measured peak fits ``budget_bytes``, per strategy."""
     unknown = [s for s in strategies if s not in ("none", "every-block", "remat")]
     if unknown:
@@ -344,6 +410,10 @@ def max_batch(name: str, budget_bytes: int, *, strategies: Sequence[str] = ("non
         seen: dict[int, int] = {}
         predicted: dict[int, int] = {}
         batches[strategy], tried[strategy] = search_max(
-            lambda b: _fits(name, options, strategy, budget_bytes, b, seen, predicted), limit=limit)
+            lambda b, strategy=strategy, seen=seen, predicted=predicted: _fits(
+                name, options, strategy, budget_bytes, b, seen, predicted
+            ),
+            limit=limit,
+        )
         peaks[strategy] = seen.get(batches[strategy], 0)
     return MaxBatchResult(name, budget_bytes, batches, peaks, tried)

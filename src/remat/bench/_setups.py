@@ -139,7 +139,7 @@ def sqrt_segments(blocks: Sequence[nn.Module]) -> Setup:
     n = len(blocks)
     count = math.ceil(math.sqrt(n))
     size = math.ceil(n / count)
-    segments = [list(blocks[i:i + size]) for i in range(0, n, size)]
+    segments = [list(blocks[i : i + size]) for i in range(0, n, size)]
 
     def on(model: nn.Module) -> None:
         for segment in segments[:-1]:

@@ -104,8 +104,13 @@ def _unit(top: int) -> tuple[int, str]:
 
 
 def plot_timeline(
-    profile: Profile, plan: Plan | Mapping[str, str] | None = None, *, budget: Budget | None = None,
-    path: str | pathlib.Path | None = None, compare: bool = True, measured: Mapping[str, int] | None = None,
+    profile: Profile,
+    plan: Plan | Mapping[str, str] | None = None,
+    *,
+    budget: Budget | None = None,
+    path: str | pathlib.Path | None = None,
+    compare: bool = True,
+    measured: Mapping[str, int] | None = None,
 ) -> Any:
     """Live bytes along one training step: no checkpointing and ``plan`` on one figure.
 
@@ -135,22 +140,47 @@ def plot_timeline(
     backward = next((x for x, (k, _, _) in enumerate(profile.timeline({})) if k[0] != "fwd"), None)
     if backward is not None:
         ax.axvline(backward - 0.25, color="black", lw=0.6, ls=":")
-        ax.annotate("forward  |  backward", (backward - 0.25, 1), xycoords=("data", "axes fraction"), ha="center",
-                    va="top", fontsize=7, xytext=(0, -2), textcoords="offset points")
+        ax.annotate(
+            "forward  |  backward",
+            (backward - 0.25, 1),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            va="top",
+            fontsize=7,
+            xytext=(0, -2),
+            textcoords="offset points",
+        )
     for t, colour in zip(lines, ("tab:gray", "tab:blue") if len(lines) == 2 else ("tab:blue",)):
-        ax.plot(t.xs, [v / unit for v in t.live], color=colour, lw=1.5,
-                label=f"{t.label} (peak {human_bytes(t.peak_bytes)})", gid=f"live:{t.label}")
+        ax.plot(
+            t.xs,
+            [v / unit for v in t.live],
+            color=colour,
+            lw=1.5,
+            label=f"{t.label} (peak {human_bytes(t.peak_bytes)})",
+            gid=f"live:{t.label}",
+        )
         ax.plot([t.peak_x], [t.peak_bytes / unit], "v", color=colour, ms=7)
         right = t.peak_x > 0.6 * len(t.xs) / 2  # keep the label inside the axes
-        ax.annotate(f"peak: {t.peak_block}, {t.peak_phase}", (t.peak_x, t.peak_bytes / unit), fontsize=7,
-                    xytext=(-6 if right else 6, -10), textcoords="offset points", color=colour,
-                    ha="right" if right else "left")
+        ax.annotate(
+            f"peak: {t.peak_block}, {t.peak_phase}",
+            (t.peak_x, t.peak_bytes / unit),
+            fontsize=7,
+            xytext=(-6 if right else 6, -10),
+            textcoords="offset points",
+            color=colour,
+            ha="right" if right else "left",
+        )
     for (label, peak), colour in zip(measured.items(), ("tab:gray", "tab:blue", "tab:purple", "tab:brown")):
-        ax.axhline(peak / unit, color=colour, ls=":", lw=1, label=f"measured peak, {label} ({human_bytes(peak)})",
-                   gid=f"measured:{label}")
+        ax.axhline(
+            peak / unit,
+            color=colour,
+            ls=":",
+            lw=1,
+            label=f"measured peak, {label} ({human_bytes(peak)})",
+            gid=f"measured:{label}",
+        )
     if limit is not None:
-        ax.axhline(limit / unit, color="tab:red", ls="--", lw=1, label=f"budget {human_bytes(limit)}",
-                   gid="budget")
+        ax.axhline(limit / unit, color="tab:red", ls="--", lw=1, label=f"budget {human_bytes(limit)}", gid="budget")
     ax.set_xlabel("segments of one training step: forward, loss, backward")
     ax.set_ylabel(f"live memory ({unit_name})")
     ax.set_title(f"{profile.model}: memory along one training step")
@@ -165,8 +195,12 @@ def plot_timeline(
 def _draw_bands(ax: Any, bands: tuple[tuple[str, str, int, int], ...], n_blocks: int) -> None:
     # Alternate two shades so neighbouring blocks stay apart; names only where they fit.
     for j, (block, phase, lo, hi) in enumerate(bands):
-        ax.axvspan(lo - 0.1, hi - 0.4, color=("tab:green" if phase == "forward" else "tab:orange"),
-                   alpha=0.08 if j % 2 else 0.16, lw=0)
+        ax.axvspan(
+            lo - 0.1,
+            hi - 0.4,
+            color=("tab:green" if phase == "forward" else "tab:orange"),
+            alpha=0.08 if j % 2 else 0.16,
+            lw=0,
+        )
         if n_blocks <= 16:
-            ax.annotate(block, (lo, 0), xytext=(1, 2), textcoords="offset points", fontsize=6, rotation=90,
-                        va="bottom")
+            ax.annotate(block, (lo, 0), xytext=(1, 2), textcoords="offset points", fontsize=6, rotation=90, va="bottom")

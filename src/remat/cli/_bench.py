@@ -20,8 +20,10 @@ log = logging.getLogger("remat.cli")
 def _zoo_names(names: list[str], command: str) -> None:
     for name in names:
         if is_factory(name):
-            raise RematError(f"remat {command}: {name!r}: benchmarks run zoo models only; "
-                             "profile and plan your own with remat profile / remat plan.")
+            raise RematError(
+                f"remat {command}: {name!r}: benchmarks run zoo models only; "
+                "profile and plan your own with remat profile / remat plan."
+            )
         check_zoo_name(name)
 
 
@@ -54,8 +56,10 @@ def _compile_budgets(text: str) -> tuple[float, ...]:
     except ValueError:
         budgets = ()
     if not budgets:
-        raise RematError(f"remat bench --compile {text}: give activation memory budgets between 0 and 1, "
-                         "comma-separated (e.g. --compile 1,0.5,0.1).")
+        raise RematError(
+            f"remat bench --compile {text}: give activation memory budgets between 0 and 1, "
+            "comma-separated (e.g. --compile 1,0.5,0.1)."
+        )
     return budgets
 
 
@@ -63,6 +67,7 @@ def cmd_bench(args: argparse.Namespace, ui: Ui) -> int:
     _zoo_names(args.models, "bench")
     options = {n: o for n, o in per_model_options(args.models, model_options(args), "bench").items() if o}
     from remat import bench  # lazily: it pulls in plotting and every zoo model
+
     kwargs: dict[str, Any] = {"quick": args.quick, "options": options or None, "command": args.command_line}
     if args.repeat is not None:
         kwargs["repeat"] = args.repeat
@@ -99,6 +104,7 @@ def cmd_max_batch(args: argparse.Namespace, ui: Ui) -> int:
     budget = _absolute_budget(args.budget)
     options = per_model_options([args.model], model_options(args), "max-batch")[args.model]
     from remat import bench
+
     kwargs: dict[str, Any] = {"options": options or None}
     if args.limit is not None:
         kwargs["limit"] = args.limit

@@ -46,8 +46,10 @@ def _time_unit(step_time_s: float) -> tuple[str, float]:
 def _check_flags(args: argparse.Namespace) -> None:
     fake = getattr(args, "fake", False)
     if getattr(args, "target", None) and not fake:
-        raise RematError(f"remat: --target {args.target} only applies with --fake (a real profile measures "
-                         "the device it runs on); add --fake.")
+        raise RematError(
+            f"remat: --target {args.target} only applies with --fake (a real profile measures "
+            "the device it runs on); add --fake."
+        )
     if fake and args.device is not None:
         raise RematError("remat: --fake runs on fake tensors and times them for --target; drop --device.")
     check_device(args.device)
@@ -74,10 +76,16 @@ def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded, *, fake_for: s
     kind = f"fake tensors for {target or 'cpu'}" if fake else "measured"
     with ui.status(f"profiling {args.model} ({kind}): one traced step per policy ..."):
         return remat.profile(
-            loaded.model, loaded.inputs, loaded.loss_fn, blocks=_blocks(args.blocks), repeat=args.repeat,
-            fake=fake, target=target,
+            loaded.model,
+            loaded.inputs,
+            loaded.loss_fn,
+            blocks=_blocks(args.blocks),
+            repeat=args.repeat,
+            fake=fake,
+            target=target,
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-            optimizer=make_optimizer(args.optimizer, loaded.model), accumulation_steps=args.accumulation_steps,
+            optimizer=make_optimizer(args.optimizer, loaded.model),
+            accumulation_steps=args.accumulation_steps,
         )
 
 
@@ -156,23 +164,41 @@ def _profile_table(data: dict[str, Any]) -> Table:
     peak with only this block fully recomputed, against the peak without checkpointing."""
     kind = f"fake tensors, times modelled for {data['target']}" if data["fake"] else f"measured on {data['device']}"
     unit, scale = _time_unit(data["step_time_s"])
-    flop_unit, flop_scale = ("GFLOP", 1e9) if max((b["fwd_flops"] for b in data["blocks"]), default=0) >= 1e9 \
-        else ("MFLOP", 1e6)
+    flop_unit, flop_scale = (
+        ("GFLOP", 1e9) if max((b["fwd_flops"] for b in data["blocks"]), default=0) >= 1e9 else ("MFLOP", 1e6)
+    )
     shown = [k for k in data.get("policies", ("keep", "selective", "full")) if k != "keep"]
     short = {"selective": "sel", "selective-ops": "sel-ops"}
-    columns = ("in", "out", "kept\nkeep", *(f"kept\n{short.get(k, k)}" for k in shown), f"fwd\n{unit}",
-               f"bwd\n{unit}", *(f"+{unit}\n{short.get(k, k)}" for k in shown), f"{flop_unit}\nfwd", "peak if\nfull")
-    table = _table(f"{data['model']} ({data['source']}): {len(data['blocks'])} blocks, {kind}",
-                   [b["name"] for b in data["blocks"]], columns)
+    columns = (
+        "in",
+        "out",
+        "kept\nkeep",
+        *(f"kept\n{short.get(k, k)}" for k in shown),
+        f"fwd\n{unit}",
+        f"bwd\n{unit}",
+        *(f"+{unit}\n{short.get(k, k)}" for k in shown),
+        f"{flop_unit}\nfwd",
+        "peak if\nfull",
+    )
+    table = _table(
+        f"{data['model']} ({data['source']}): {len(data['blocks'])} blocks, {kind}",
+        [b["name"] for b in data["blocks"]],
+        columns,
+    )
     base = data["baseline_peak_bytes"]
     for b in data["blocks"]:
-        saved = [human_bytes(b["saved_bytes"][k]) if k in b["saved_bytes"] else "-"
-                 for k in ("keep", *shown)]
+        saved = [human_bytes(b["saved_bytes"][k]) if k in b["saved_bytes"] else "-" for k in ("keep", *shown)]
         extra = [_num(b["extra_time_s"][k] * scale) if k in b["extra_time_s"] else "-" for k in shown]
         full = b["peak_if_full_bytes"]
         table.add_row(
-            escape(b["name"]), human_bytes(b["input_bytes"]), human_bytes(b["output_bytes"]), *saved,
-            _num(b["fwd_time_s"] * scale), _num(b["bwd_time_s"] * scale), *extra, _num(b["fwd_flops"] / flop_scale),
+            escape(b["name"]),
+            human_bytes(b["input_bytes"]),
+            human_bytes(b["output_bytes"]),
+            *saved,
+            _num(b["fwd_time_s"] * scale),
+            _num(b["bwd_time_s"] * scale),
+            *extra,
+            _num(b["fwd_flops"] / flop_scale),
             "-" if full is None else f"{(full - base) / base:+.1%}",
         )
     return table
@@ -187,8 +213,9 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
     if target.is_dir():
         raise RematError(f"remat: {flag} {path!r} is a folder; give a file name such as {str(target / 'plan.json')!r}.")
     if not folder.is_dir():
-        raise RematError(f"remat: {flag} {path!r}: the folder {str(folder)!r} does not exist; create it or write "
-                         "somewhere else.")
+        raise RematError(
+            f"remat: {flag} {path!r}: the folder {str(folder)!r} does not exist; create it or write somewhere else."
+        )
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise RematError(f"remat: {flag} {path!r} cannot be written (permission denied); write somewhere else.")
 
@@ -196,8 +223,9 @@ def check_writable(path: str | None, flag: str = "--out") -> None:
 def _plot(ui: Ui, prof: Any, plan: Any, path: str | None, measured: dict[str, int] | None = None) -> None:
     if not path:
         return
-    from remat.bench import plot_timeline
     import matplotlib.pyplot as plt
+
+    from remat.bench import plot_timeline
 
     plt.close(plot_timeline(prof, plan, path=path, measured=measured))
     ui.say(f"Drew live memory along the step to {path}.")
@@ -207,8 +235,10 @@ def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
     check_writable(args.out)
     check_writable(args.plot, "--plot")
     if args.budget is not None and not args.plot:
-        raise RematError("remat profile: --budget only draws a plan on --plot FILE.png; add --plot, or use "
-                         "remat plan --budget to choose a plan.")
+        raise RematError(
+            "remat profile: --budget only draws a plan on --plot FILE.png; add --plot, or use "
+            "remat plan --budget to choose a plan."
+        )
     if args.budget is not None:
         remat.parse_budget(args.budget, 1)  # a typo fails now, not after profiling
     loaded = load(args, ui)
@@ -241,8 +271,10 @@ def _check_plan_args(args: argparse.Namespace) -> None:
     from remat.planning.plan import parse_budget
 
     if args.strategy == "optimal" and args.budget is None:
-        raise RematError("remat plan: give --budget (a fraction of the peak without checkpointing such as 0.5, "
-                         "or bytes such as 6GiB), or a hand-made --strategy.")
+        raise RematError(
+            "remat plan: give --budget (a fraction of the peak without checkpointing such as 0.5, "
+            "or bytes such as 6GiB), or a hand-made --strategy."
+        )
     if args.budget is not None:
         parse_budget(args.budget, 1)  # a typo fails now, not after profiling
 
@@ -255,12 +287,19 @@ def plan_data(plan: Any) -> dict[str, Any]:
 def _plan_table(plan: Any, prof: Any) -> Table:
     by_name = {b.name: b for b in prof.blocks}
     unit, scale = _time_unit(prof.step_time_s)
-    table = _table(f"{plan.strategy} plan for {plan.model}", list(plan.assignment),
-                   ("policy", "kept for backward", f"extra {unit}"))
+    table = _table(
+        f"{plan.strategy} plan for {plan.model}",
+        list(plan.assignment),
+        ("policy", "kept for backward", f"extra {unit}"),
+    )
     for name, policy in plan.assignment.items():
         b = by_name[name]
-        table.add_row(escape(name), policy, human_bytes(b.saved_bytes.get(policy, 0)),
-                      _num(b.extra_time_s.get(policy, 0.0) * scale))
+        table.add_row(
+            escape(name),
+            policy,
+            human_bytes(b.saved_bytes.get(policy, 0)),
+            _num(b.extra_time_s.get(policy, 0.0) * scale),
+        )
     return table
 
 
@@ -322,8 +361,10 @@ def _doctor_plot(args: argparse.Namespace, ui: Ui, prof: Any, plan: Any, report:
     ref, ck = report.reference, report.checkpointed
     measured = {}
     if ref is not None and ck is not None:
-        measured = {"none": ref.peak_bytes, (f"{plan.strategy} plan" if plan is not None else "as written"):
-                    ck.peak_bytes}
+        measured = {
+            "none": ref.peak_bytes,
+            (f"{plan.strategy} plan" if plan is not None else "as written"): ck.peak_bytes,
+        }
     _plot(ui, prof, plan if plan is not None and not plan.segments else None, args.plot, measured)
 
 
@@ -333,14 +374,21 @@ def doctor_data(report: Any) -> dict[str, Any]:
 
 
 def _sites_table(report: Any) -> Table:
-    table = Table(title="checkpointing found in one training step", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
+    table = Table(
+        title="checkpointing found in one training step", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False
+    )
     table.add_column("site", overflow="fold")  # a path has no spaces to wrap at; show all of it
     for col in ("checkpoints", "api", "calls", "implementation", "RNG preserved"):
         table.add_column(col)
     for c in report.checkpoints:
-        table.add_row(escape(c.site), escape(c.target), escape(c.api), str(c.calls),
-                      "reentrant" if c.reentrant else "non-reentrant", "yes" if c.preserve_rng_state else "NO")
+        table.add_row(
+            escape(c.site),
+            escape(c.target),
+            escape(c.api),
+            str(c.calls),
+            "reentrant" if c.reentrant else "non-reentrant",
+            "yes" if c.preserve_rng_state else "NO",
+        )
     return table
 
 
@@ -357,20 +405,26 @@ def _render_finding(ui: Ui, f: Any) -> None:
 
 def _render_doctor(ui: Ui, report: Any, label: str) -> None:
     if not report.checkpoints:
-        ui.say(f"{label}: no checkpointing found in a training step, so nothing to diagnose "
-               f"(loss {report.loss_reference:.4f}).")
+        ui.say(
+            f"{label}: no checkpointing found in a training step, so nothing to diagnose "
+            f"(loss {report.loss_reference:.4f})."
+        )
         return
     ui.show(_sites_table(report))
     for f in report.findings:
         _render_finding(ui, f)
     ref, ck = report.reference, report.checkpointed
     if ref is not None and ck is not None:
-        ui.say(f"Measured: without checkpointing peak {human_bytes(ref.peak_bytes)}, step {_ms(ref.step_time_s)} ms; "
-               f"as written peak {human_bytes(ck.peak_bytes)}, step {_ms(ck.step_time_s)} ms.")
+        ui.say(
+            f"Measured: without checkpointing peak {human_bytes(ref.peak_bytes)}, step {_ms(ref.step_time_s)} ms; "
+            f"as written peak {human_bytes(ck.peak_bytes)}, step {_ms(ck.step_time_s)} ms."
+        )
     errors, warnings = len(report.errors), len(report.findings) - len(report.errors)
     if report.ok:
-        ui.say(f"{label}: ok: checkpointing trains exactly like the model without it (loss "
-               f"{report.loss_checkpointed:.4f} vs {report.loss_reference:.4f}).")
+        ui.say(
+            f"{label}: ok: checkpointing trains exactly like the model without it (loss "
+            f"{report.loss_checkpointed:.4f} vs {report.loss_reference:.4f})."
+        )
     else:
         ui.say(f"{label}: {errors} error(s), {warnings} warning(s).")
 
@@ -384,8 +438,9 @@ def cmd_doctor(args: argparse.Namespace, ui: Ui) -> int:
     if plan is not None:
         remat.apply(loaded.model, plan)
     with ui.status(f"running {args.model} with and without its checkpointing ..."):
-        report = remat.doctor(loaded.model, loaded.inputs, loaded.loss_fn, measure_cost=not args.no_measure,
-                              repeat=args.repeat)
+        report = remat.doctor(
+            loaded.model, loaded.inputs, loaded.loss_fn, measure_cost=not args.no_measure, repeat=args.repeat
+        )
     _doctor_plot(args, ui, prof, plan, report)
     if ui.json:
         ui.emit(doctor_data(report))

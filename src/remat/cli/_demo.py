@@ -54,8 +54,9 @@ def _step_times(models: list[nn.Module], zoo: ZooModel, *, warmup: int, repeat: 
     """Step times of every model in interleaved rounds (see ``remat.bench._rounds``); the models are restored."""
     states = [capture(m) for m in models]
     try:
-        return interleaved_rounds([timed_step(m, zoo.inputs, zoo.loss_fn) for m in models],
-                                  warmup=warmup, repeat=repeat)
+        return interleaved_rounds(
+            [timed_step(m, zoo.inputs, zoo.loss_fn) for m in models], warmup=warmup, repeat=repeat
+        )
     finally:
         for state in states:
             state.restore()
@@ -83,20 +84,26 @@ def run_demo(*, batch: int = 128, steps: int = 10, lr: float = 0.05, rounds: int
     reentrant.load_state_dict(zoo.model.state_dict())
     checkpointed = copy.deepcopy(zoo.model)
     if not isinstance(checkpointed, SeedCifarCNN):
-        raise RuntimeError(f"remat demo: the zoo's seed-cifar model is a {type(checkpointed).__name__}, "
-                           "not the SeedCifarCNN whose blocks the demo wraps")
+        raise RuntimeError(
+            f"remat demo: the zoo's seed-cifar model is a {type(checkpointed).__name__}, "
+            "not the SeedCifarCNN whose blocks the demo wraps"
+        )
     remat.wrap(checkpointed.cnn_block_1)
     remat.wrap(checkpointed.cnn_block_2)
-    named = [("no checkpointing", copy.deepcopy(zoo.model)), ("remat, both conv blocks", checkpointed),
-             ("torch reentrant (seed 000)", reentrant)]
+    named = [
+        ("no checkpointing", copy.deepcopy(zoo.model)),
+        ("remat, both conv blocks", checkpointed),
+        ("torch reentrant (seed 000)", reentrant),
+    ]
     models = [m for _, m in named]
     times = _step_times(models, zoo, warmup=1, repeat=rounds)
     variants = []
     for (name, model), t in zip(named, times):
         measurement = remat.measure(model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1)  # peak and gradients
         losses, frozen = _train(model, zoo, steps, lr)
-        variants.append(Variant(name, tuple(losses), measurement, tuple(frozen), statistics.median(t),
-                                ratio_to(t, times[0])))
+        variants.append(
+            Variant(name, tuple(losses), measurement, tuple(frozen), statistics.median(t), ratio_to(t, times[0]))
+        )
     return variants
 
 
@@ -134,5 +141,12 @@ def run_plan_demo(*, budget: float = 0.6, rounds: int = 5) -> PlanDemo:
     reference, ours = _grads(zoo.model, zoo), _grads(planned_model, zoo)
     same = reference.keys() == ours.keys() and all(torch.equal(reference[k], ours[k]) for k in reference)
     base_t, plan_t = _step_times([zoo.model, planned_model], zoo, warmup=1, repeat=rounds)
-    return PlanDemo("gpt2 (4 layers, 256 wide, 4 x 256 tokens)", plan, baseline, planned, same,
-                    (statistics.median(base_t), statistics.median(plan_t)), ratio_to(plan_t, base_t))
+    return PlanDemo(
+        "gpt2 (4 layers, 256 wide, 4 x 256 tokens)",
+        plan,
+        baseline,
+        planned,
+        same,
+        (statistics.median(base_t), statistics.median(plan_t)),
+        ratio_to(plan_t, base_t),
+    )

@@ -44,8 +44,10 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     with ui.status("training the seed 000 CNN three ways ..."):
         variants = run_demo(batch=args.batch, steps=args.steps, rounds=args.rounds)
     ref = variants[0]
-    timing = (f"step time: median of {args.rounds} interleaved rounds; ratio: median over rounds of the ratio to "
-              "no checkpointing in the same round")
+    timing = (
+        f"step time: median of {args.rounds} interleaved rounds; ratio: median over rounds of the ratio to "
+        "no checkpointing in the same round"
+    )
     table = Table(title=f"seed 000 CIFAR-10 CNN, batch {args.batch}, {args.steps} SGD steps", caption=timing)
     for col in ("variant", "peak", "step time", "grads ok", "frozen params", "final loss", "losses == reference"):
         table.add_column(col)
@@ -79,17 +81,14 @@ def _cmd_demo(args: argparse.Namespace, ui: Ui) -> int:
     budget_bytes = plan.budget_bytes
     if budget_bytes is None:  # a plan made for a budget keeps it in bytes
         raise RuntimeError("remat demo: the plan for a budget of 0.6 carries no budget in bytes")
-    table = Table(title=f"remat.auto on {demo.model}, budget 0.6 of the peak without checkpointing",
-                  caption=timing)
+    table = Table(title=f"remat.auto on {demo.model}, budget 0.6 of the peak without checkpointing", caption=timing)
     for col in ("", "peak", "step time", "grads"):
         table.add_column(col)
-    table.add_row("no checkpointing", human_bytes(base.peak_bytes), f"{demo.step_times_s[0] * 1e3:.0f} ms",
-                  "reference")
+    table.add_row("no checkpointing", human_bytes(base.peak_bytes), f"{demo.step_times_s[0] * 1e3:.0f} ms", "reference")
     table.add_row(
         f"remat plan (budget {human_bytes(budget_bytes)})",
         f"{human_bytes(ours.peak_bytes)} (predicted {human_bytes(plan.predicted_peak_bytes)})",
-        f"{demo.step_times_s[1] * 1e3:.0f} ms ({demo.time_ratio:.2f}x; "
-        f"predicted {1 + plan.predicted_overhead:.2f}x)",
+        f"{demo.step_times_s[1] * 1e3:.0f} ms ({demo.time_ratio:.2f}x; predicted {1 + plan.predicted_overhead:.2f}x)",
         "bit-equal" if demo.grads_equal else "DIFFER",
     )
     if not ui.json:
@@ -104,45 +103,77 @@ def _emit_demo(ui: Ui, variants: list, plan_demo: PlanDemo | None) -> None:
     """``remat demo --json``: every variant (losses, measurement, frozen parameters, times) and the plan demo."""
     if ui.json:
         ref = variants[0].losses
-        ui.emit({"variants": [{**asdict(v), "losses_equal_reference": v.losses == ref} for v in variants],
-                 "plan_demo": None if plan_demo is None else asdict(plan_demo)})
+        ui.emit(
+            {
+                "variants": [{**asdict(v), "losses_equal_reference": v.losses == ref} for v in variants],
+                "plan_demo": None if plan_demo is None else asdict(plan_demo),
+            }
+        )
 
 
 def _common() -> argparse.ArgumentParser:
     # SUPPRESS: a subcommand's -q/-v must not reset what was given before the subcommand.
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                   help="print one JSON document on stdout and nothing else (status goes to stderr)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print one JSON document on stdout and nothing else (status goes to stderr)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="errors only, no spinners")
-    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                   help="log what runs (-vv: debug, and tracebacks on errors)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="log what runs (-vv: debug, and tracebacks on errors)",
+    )
     return p
 
 
 def _model_parent(*, batch: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("model", metavar="MODEL",
-                   help="a zoo name (gpt2, llama, vit, resnet50, seed-cifar) or file.py:factory")
-    p.add_argument("--device", metavar="cpu|cuda", help="move model, inputs and the loss's targets there "
-                   "(default: where the model was built, CPU for zoo models)")
+    p.add_argument(
+        "model", metavar="MODEL", help="a zoo name (gpt2, llama, vit, resnet50, seed-cifar) or file.py:factory"
+    )
+    p.add_argument(
+        "--device",
+        metavar="cpu|cuda",
+        help="move model, inputs and the loss's targets there (default: where the model was built, CPU for zoo models)",
+    )
     add_model_options(p, batch=batch)
     return p
 
 
 def _profile_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--fake", action="store_true", help="profile on fake tensors: plan without allocating "
-                   "(zoo models are built on the meta device)")
+    p.add_argument(
+        "--fake",
+        action="store_true",
+        help="profile on fake tensors: plan without allocating (zoo models are built on the meta device)",
+    )
     p.add_argument("--target", choices=("h100", "a100", "cpu"), help="with --fake: the device whose roofline times ops")
     p.add_argument("--blocks", metavar="auto|coarse|fine|A,B,...", help="the checkpointing units (default auto)")
     p.add_argument("--repeat", type=int, default=3, metavar="N", help="timed steps per policy (default 3)")
-    p.add_argument("--policies", metavar="P,P,...", default="keep,selective,selective-ops,full",
-                   help="the policies to profile and plan with (default keep,selective,selective-ops,full; also "
-                        "full-fine: a lower floor)")
-    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
-                   help="plan for a loop that steps this optimizer after each backward (its state and step count)")
-    p.add_argument("--accumulation-steps", type=int, default=1, metavar="N",
-                   help="backward passes per optimizer step (gradient accumulation; default 1)")
+    p.add_argument(
+        "--policies",
+        metavar="P,P,...",
+        default="keep,selective,selective-ops,full",
+        help="the policies to profile and plan with (default keep,selective,selective-ops,full; also "
+        "full-fine: a lower floor)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        help="plan for a loop that steps this optimizer after each backward (its state and step count)",
+    )
+    p.add_argument(
+        "--accumulation-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="backward passes per optimizer step (gradient accumulation; default 1)",
+    )
     return p
 
 
@@ -165,16 +196,25 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", metavar="FILE", help="apply this plan (from remat plan --out) first, then diagnose")
     p.add_argument("--no-measure", action="store_true", help="skip measuring peak and time (faster; fewer checks)")
     p.add_argument("--repeat", type=int, default=3, metavar="N", help="timed rounds (default 3)")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw live memory along the step (profiled before --plan) with the measured peaks")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw live memory along the step (profiled before --plan) with the measured peaks",
+    )
     p.set_defaults(command=cmd_doctor)
 
-    p = sub.add_parser("demo", parents=[common],
-                       help="the main job: the seed 000 CNN three ways, then profile, plan and verify GPT-2")
+    p = sub.add_parser(
+        "demo", parents=[common], help="the main job: the seed 000 CNN three ways, then profile, plan and verify GPT-2"
+    )
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=5, metavar="N",
-                   help="timed rounds, every variant once per round in a shuffled order (default 5)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        metavar="N",
+        help="timed rounds, every variant once per round in a shuffled order (default 5)",
+    )
     p.add_argument("--no-plan", action="store_true", help="only the seed 000 part (skip the GPT-2 plan)")
     p.set_defaults(command=_cmd_demo)
 
@@ -186,8 +226,11 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (remat.bench.QUICK) and 2 timed rounds")
     p.add_argument("--budgets", metavar="0.9,0.5,min", help="comma-separated budgets for remat's plans")
     p.add_argument("--repeat", type=int, metavar="N", help="timed rounds per model (default: remat.bench's)")
-    p.add_argument("--compile", metavar="1,0.5,0.1",
-                   help="also torch.compile at these activation memory budgets (compiles once each: minutes)")
+    p.add_argument(
+        "--compile",
+        metavar="1,0.5,0.1",
+        help="also torch.compile at these activation memory budgets (compiles once each: minutes)",
+    )
     p.add_argument("--markdown", metavar="FILE", help="also write the markdown table")
     add_model_options(p)
     p.set_defaults(command=cmd_bench)
@@ -202,8 +245,9 @@ def _add_bench_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="remat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log what runs (-vv: debug, tracebacks)")
     parser.add_argument("-q", "--quiet", action="store_true", help="errors only, no spinners")
     sub = parser.add_subparsers(dest="name", required=True)
@@ -233,4 +277,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         error_line("interrupted.")
         return 130
-

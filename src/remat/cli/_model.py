@@ -50,8 +50,13 @@ def add_model_options(parser: argparse.ArgumentParser, *, batch: bool = True) ->
     for name in ZOO_FLAGS:
         if name != "batch" or batch:
             group.add_argument(f"--{name}", type=int, metavar="N")
-    group.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                       help="any other builder keyword, e.g. --opt dropout=0.0 --opt depths=1,1")
+    group.add_argument(
+        "--opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other builder keyword, e.g. --opt dropout=0.0 --opt depths=1,1",
+    )
 
 
 def _literal(text: str) -> Any:
@@ -177,8 +182,9 @@ def _retarget(loss_fn: LossFn | None, convert: Callable[[torch.Tensor], torch.Te
             cells.append(cell)
             continue
         cells.append(types.CellType(tree_map(lambda t: convert(t) if isinstance(t, torch.Tensor) else t, contents)))
-    moved = types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__,
-                               tuple(cells))
+    moved = types.FunctionType(
+        loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__, tuple(cells)
+    )
     moved.__kwdefaults__ = loss_fn.__kwdefaults__
     return moved
 

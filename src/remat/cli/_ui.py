@@ -54,8 +54,14 @@ class Ui:
     def progress(self, title: str) -> Iterator[ProgressCallback]:
         """A progress bar on stderr fed by ``progress(description, completed, total)`` calls."""
         bar = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=self.err, transient=True, disable=self.quiet or not self.err.is_terminal,
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.err,
+            transient=True,
+            disable=self.quiet or not self.err.is_terminal,
         )
         task = bar.add_task(escape(title), total=None)
 

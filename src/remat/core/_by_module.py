@@ -38,7 +38,6 @@ NOTE [A region as saved-tensor hooks], NOTE [Outputs recomputed for their consum
 """
 
 from __future__ import annotations
-from __future__ import annotations
 
 import contextlib
 import threading
@@ -202,8 +201,13 @@ class StructureRecorder(TorchDispatchMode):
         if fingerprint() != self._rng.pop():  # it drew, whatever its ops are named
             seen.heavy = self.any_heavy = True
         inputs = _tensor_keys((args, kwargs))
-        fits = (isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point()
-                and storage_key(output) not in inputs and not (seen.writes & inputs))
+        fits = (
+            isinstance(output, torch.Tensor)
+            and output.requires_grad
+            and output.is_floating_point()
+            and storage_key(output) not in inputs
+            and not (seen.writes & inputs)
+        )
         self.subclass |= _wraps_tensors((args, kwargs, output))
         seen.unfit |= not fits
         for sub in module.modules():
@@ -213,9 +217,15 @@ class StructureRecorder(TorchDispatchMode):
 
     def __enter__(self) -> StructureRecorder:
         # Hooks on the block's own submodules, not global ones (torch.compile warns about those).
-        self._hooks = [h for m in self.owner.modules() if m is not self.owner
-                       for h in (m.register_forward_pre_hook(self._enter_module),
-                                 m.register_forward_hook(self._leave_module, with_kwargs=True))]
+        self._hooks = [
+            h
+            for m in self.owner.modules()
+            if m is not self.owner
+            for h in (
+                m.register_forward_pre_hook(self._enter_module),
+                m.register_forward_hook(self._leave_module, with_kwargs=True),
+            )
+        ]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -229,8 +239,9 @@ class StructureRecorder(TorchDispatchMode):
         if not self.any_heavy or self.subclass:
             cheap = set()
         outermost = [self.seen[i] for i in cheap if not (self.seen[i].ancestors & cheap)]
-        return Structure(tuple((weakref.ref(s.module), tuple(sorted(s.buffers, key=lambda b: b[1])))
-                               for s in outermost))
+        return Structure(
+            tuple((weakref.ref(s.module), tuple(sorted(s.buffers, key=lambda b: b[1]))) for s in outermost)
+        )
 
 
 class _RegionForward:
@@ -255,8 +266,9 @@ class _RegionForward:
 _MISSING = object()
 
 
-def run_by_module(fn: Callable, regions: list[tuple[nn.Module, Writes]], args: tuple, kwargs: dict,
-                  owner: nn.Module | None) -> Any:
+def run_by_module(
+    fn: Callable, regions: list[tuple[nn.Module, Writes]], args: tuple, kwargs: dict, owner: nn.Module | None
+) -> Any:
     """``fn(*args, **kwargs)`` with each region module's forward standing in as a region (:class:`_Frame`)."""
     patched = []
     outputs = _Outputs()

@@ -53,8 +53,15 @@ class _Saved:
 class _Frame:
     """One cheap region call (NOTE [A region as saved-tensor hooks])."""
 
-    def __init__(self, forward: Callable[..., Any], args: tuple, kwargs: dict, module: nn.Module,
-                 writes: Writes, owner: nn.Module | None) -> None:
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        module: nn.Module,
+        writes: Writes,
+        owner: nn.Module | None,
+    ) -> None:
         self.forward = forward
         self.owner = owner
         leaves, self.spec = tree_flatten((args, kwargs))
@@ -176,11 +183,15 @@ class _Frame:
             if key not in self.resident and key not in stand_ins:  # as in the forward (BatchNorm saves its stats)
                 recorded.append(t.detach())
 
-        leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-                  for x in self.leaves]
+        leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in self.leaves]
         args, kwargs = tree_unflatten(leaves, self.spec)
-        with torch.enable_grad(), observed_recomputation(self.owner), self._swapped_buffers() as stand_ins, \
-                self._autocast(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+        with (
+            torch.enable_grad(),
+            observed_recomputation(self.owner),
+            self._swapped_buffers() as stand_ins,
+            self._autocast(),
+            torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked),
+        ):
             out = self.forward(*args, **kwargs)
         self.recomputed = recorded
         self.output = out.detach() if self.consumers > 0 else None
@@ -281,8 +292,18 @@ class _OutputView:
 #: autograd nodes of views that keep a contiguous tensor's element order
 _RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 #: autograd nodes of views: a tensor they made shares its input's storage
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0",
-                    "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "SliceBackward0"})
+_VIEWS = frozenset(
+    {
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ExpandBackward0",
+        "SliceBackward0",
+    }
+)
 
 
 class _Outputs:
@@ -307,14 +328,16 @@ class _Outputs:
         if found is not None and found[2]() is not None and t._version == found[3]:
             frame, base, _, _ = found
             frame.direct += 1
-            return frame.handle(_OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base,
-                                            None, t, t._version))
+            return frame.handle(
+                _OutputView(frame, tuple(t.shape), tuple(t.stride()), t.storage_offset() - base, None, t, t._version)
+            )
         copied = self._copied_from(t)
         if copied is None:
             return t
         copied.copy_bytes += t.untyped_storage().nbytes()
-        return copied.handle(_OutputView(copied, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t,
-                                         t._version))
+        return copied.handle(
+            _OutputView(copied, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t, t._version)
+        )
 
     def _copied_from(self, t: torch.Tensor) -> _Frame | None:
         """The region whose output ``t`` is a dtype copy of (through views), if any."""

@@ -51,10 +51,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    checkpoint as _torch_checkpoint,
     create_selective_checkpoint_contexts,
 )
-
+from torch.utils.checkpoint import (
+    checkpoint as _torch_checkpoint,
+)
 
 __all__ = ["run_compiled", "eager_module", "quiet_torch_notice"]
 

@@ -69,7 +69,8 @@ def check_no_double_checkpointing(model: nn.Module, blocks: Iterable[str], *, ap
     hf = any(own[o].startswith("Hugging Face") for _, o in clashes)
     fix = (
         "call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in transformers 5)"
-        if hf else "remove the model's own checkpoint wrappers"
+        if hf
+        else "remove the model's own checkpoint wrappers"
     )
     raise RematError(
         f"{api}: remat would checkpoint block {block!r}, which {where} already checkpointed by {own[other]} "

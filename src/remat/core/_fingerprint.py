@@ -42,8 +42,10 @@ class _Summary:
 
     def close_to(self, other: _Summary) -> bool:
         rtol = _RTOL.get(self.element_size, 1e-4)
-        return (abs(self.total - other.total) <= rtol * self.magnitude + 1e-12
-                and abs(self.squares - other.squares) <= rtol * self.squares + 1e-12)
+        return (
+            abs(self.total - other.total) <= rtol * self.magnitude + 1e-12
+            and abs(self.squares - other.squares) <= rtol * self.squares + 1e-12
+        )
 
 
 # NOTE [A summary fits beside the step]
@@ -61,7 +63,7 @@ def _summarise(t: torch.Tensor) -> _Summary:
     total = squares = magnitude = 0.0
     size = min(_CHUNK, max(_MIN_CHUNK, flat.numel() // _PARTS))
     for start in range(0, flat.numel(), size):
-        chunk = flat[start:start + size]
+        chunk = flat[start : start + size]
         if bits_dtype is not None and not chunk.is_complex():
             bits = chunk.contiguous().view(bits_dtype).to(torch.int64)
             first += int(bits.sum())

@@ -55,8 +55,9 @@ def disable_cache(model: nn.Module) -> None:
         return
     on = [c for c in _configs(model) if getattr(c, "use_cache", False)]
     if on:
-        log.info("remat: setting use_cache = False on %d config(s) of %s while checkpointing", len(on),
-                 type(model).__name__)
+        log.info(
+            "remat: setting use_cache = False on %d config(s) of %s while checkpointing", len(on), type(model).__name__
+        )
         model.__dict__[_SAVED] = on
         for config in on:
             config.use_cache = False

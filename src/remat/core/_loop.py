@@ -48,8 +48,7 @@ class Loop:
 
     def describe(self) -> str:
         """What the step holds beyond forward and backward ("" for neither)."""
-        return describe_loop(None if self.optimizer is None else type(self.optimizer).__name__,
-                             self.accumulation_steps)
+        return describe_loop(None if self.optimizer is None else type(self.optimizer).__name__, self.accumulation_steps)
 
     def start(self, model: nn.Module) -> None:
         """Before a step: the gradients as the loop leaves them."""
@@ -76,7 +75,7 @@ NO_LOOP = Loop()
 
 
 def describe_loop(optimizer: str | None, accumulation_steps: int) -> str:
-    """"AdamW's state and step and gradients accumulated over 4 backward passes" ("" for neither)."""
+    """ "AdamW's state and step and gradients accumulated over 4 backward passes" ("" for neither)."""
     parts = [f"{optimizer}'s state and step"] if optimizer else []
     if accumulation_steps > 1:
         parts.append(f"gradients accumulated over {accumulation_steps} backward passes")
@@ -105,8 +104,10 @@ def _keeps_state(optimizer: torch.optim.Optimizer) -> bool:
 def make_loop(model: nn.Module, optimizer: Any, accumulation_steps: Any, api: str) -> Loop:
     """Check the loop options a user gave ``api`` (RematError with how to fix them)."""
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise RematError(f"{api}: accumulation_steps must be an integer >= 1 (backward passes per optimizer "
-                         f"step), got {accumulation_steps!r}.")
+        raise RematError(
+            f"{api}: accumulation_steps must be an integer >= 1 (backward passes per optimizer "
+            f"step), got {accumulation_steps!r}."
+        )
     if optimizer is None:
         return Loop(None, accumulation_steps)
     # Accelerate's and Lightning's wrappers step the optimizer they hold only when gradients are synchronised
@@ -114,13 +115,17 @@ def make_loop(model: nn.Module, optimizer: Any, accumulation_steps: Any, api: st
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise RematError(f"{api}: optimizer must be a torch.optim.Optimizer (the one the loop steps), got "
-                         f"{type(optimizer).__name__}.")
+        raise RematError(
+            f"{api}: optimizer must be a torch.optim.Optimizer (the one the loop steps), got "
+            f"{type(optimizer).__name__}."
+        )
     own = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
     if foreign:
-        raise RematError(f"{api}: {foreign} of the optimizer's parameters are not parameters of the model "
-                         f"{type(model).__name__}; pass the optimizer built on this model's parameters.")
+        raise RematError(
+            f"{api}: {foreign} of the optimizer's parameters are not parameters of the model "
+            f"{type(model).__name__}; pass the optimizer built on this model's parameters."
+        )
     return Loop(optimizer, accumulation_steps)
 
 

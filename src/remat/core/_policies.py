@@ -33,7 +33,8 @@ SAVE_OPS = frozenset(
         _aten._scaled_dot_product_flash_attention_for_cpu.default,
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_efficient_attention.default,
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None) and _aten._scaled_dot_product_cudnn_attention.default,
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None)
+        and _aten._scaled_dot_product_cudnn_attention.default,
     )
     if op is not None
 )

@@ -215,8 +215,9 @@ class Learned:
 class Region:
     """Inputs, watched storages and their pre-forward values for one checkpointed call."""
 
-    def __init__(self, args: tuple, kwargs: dict, learned: Learned | None = None,
-                 owner: nn.Module | None = None) -> None:
+    def __init__(
+        self, args: tuple, kwargs: dict, learned: Learned | None = None, owner: nn.Module | None = None
+    ) -> None:
         self.args = args
         self.kwargs = kwargs
         self.owner = owner
@@ -281,8 +282,11 @@ class Region:
         if not self.watches_ops:
             self._check_unwatched_writes(inputs)
             # Legacy batch-norm kernels write running stats without bumping the version: compare values too.
-            self.before = {k: v for k, v in self.before.items()
-                           if self.watched[k]._version != self.entry_versions[k] or not _same_values(v, self.watched[k])}
+            self.before = {
+                k: v
+                for k, v in self.before.items()
+                if self.watched[k]._version != self.entry_versions[k] or not _same_values(v, self.watched[k])
+            }
         self.input_versions = {id(t): t._version for t in inputs}
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
@@ -291,7 +295,9 @@ class Region:
         if self.learned is not None:
             return None
         written = {(id(ref()), name) for owners in self.buffers.values() for ref, name in owners if ref() is not None}
-        return Learned(any(storage_key(t) in self.before for t in inputs), frozenset(written), self._buffer_module_refs())
+        return Learned(
+            any(storage_key(t) in self.before for t in inputs), frozenset(written), self._buffer_module_refs()
+        )
 
     def _buffer_module_refs(self) -> tuple[weakref.ref, ...]:
         below = self.owner.modules() if self.owner is not None else ()
@@ -377,8 +383,11 @@ class Region:
         from remat.errors import RecomputeError
 
         fresh_copies, self._fresh = self._fresh, {}  # the recomputation's own: not held after it
-        if not fresh_copies and not self.before and all(t._version == self.input_versions.get(id(t), t._version)
-                                   for t in self.input_tensors()):
+        if (
+            not fresh_copies
+            and not self.before
+            and all(t._version == self.input_versions.get(id(t), t._version) for t in self.input_tensors())
+        ):
             return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
 
         def fresh(t: Any) -> Any:

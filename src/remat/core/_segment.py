@@ -147,8 +147,13 @@ class _Head:
         x, rest = args[0], args[1:]
         out = checkpoint(self.run, x, *rest, **kwargs)
         handed, self.tail = _hand_off(out)
-        self.last = (weakref.ref(handed), _version(handed), rest, kwargs,
-                     [_version(v) for v in (*rest, *kwargs.values())])
+        self.last = (
+            weakref.ref(handed),
+            _version(handed),
+            rest,
+            kwargs,
+            [_version(v) for v in (*rest, *kwargs.values())],
+        )
         return out
 
 
@@ -209,14 +214,16 @@ def schedule_segments(model: nn.Module, order: Sequence[str], segments: Sequence
     spans = sorted(((index[a], index[b]) for a, b in segments), key=lambda s: (s[0], -s[1]))
     for (a1, b1), (a2, b2) in zip(spans, spans[1:]):
         if a1 >= b1 or a2 >= b2 or a2 <= b1 < b2:
-            raise RematError(f"remat.apply: nested segments must be ranges of two or more blocks that nest or do "
-                             f"not overlap; got {list(segments)}.")
+            raise RematError(
+                f"remat.apply: nested segments must be ranges of two or more blocks that nest or do "
+                f"not overlap; got {list(segments)}."
+            )
     named = dict(model.named_modules())
     modules = [named[n] for n in order]
     outer = [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
     heads = []
     for a, b in outer:
-        head = _Head(modules[a], _Run(_items(modules, spans, a, b)), list(order[a:b + 1]))
+        head = _Head(modules[a], _Run(_items(modules, spans, a, b)), list(order[a : b + 1]))
         heads.append((modules[a], head, [(modules[k], _Skip(modules[k], head, order[k])) for k in range(a + 1, b + 1)]))
     for module, head, skips in heads:  # everything built: now install, all at once
         module.forward = head

@@ -77,8 +77,11 @@ class ModelState:
         for name, module in self.model.named_modules(remove_duplicate=False):
             flag = self.training.get(name)
             if flag is not None and module.training != flag:
-                _attempt(failures, f"the training flag of {name or 'the model'!r}",
-                         functools.partial(setattr, module, "training", flag))
+                _attempt(
+                    failures,
+                    f"the training flag of {name or 'the model'!r}",
+                    functools.partial(setattr, module, "training", flag),
+                )
         _attempt(failures, "the CPU RNG state", lambda: torch.set_rng_state(self.cpu_rng))
         cuda_rng = self.cuda_rng
         if cuda_rng is not None:
@@ -98,7 +101,8 @@ class ModelState:
         if data is not None:  # None: not captured, the step does not change it
             if p.shape != data.shape or p.dtype != data.dtype:
                 raise RematError(
-                    f"the step made it {tuple(p.shape)} {p.dtype}, it was {tuple(data.shape)} {data.dtype}")
+                    f"the step made it {tuple(p.shape)} {p.dtype}, it was {tuple(data.shape)} {data.dtype}"
+                )
             p.copy_(data)
         # a copy: on the CPU .to() would hand out the snapshot itself, and a step that
         # accumulates into p.grad in place (NOTE [The step a loop repeats]) would change it
@@ -116,9 +120,12 @@ class ModelState:
     def _gone(self) -> list[str]:
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         buffers = {n for n, _ in self.model.named_buffers(remove_duplicate=False)}
-        return [f"{kind} {name!r} (the step removed it)" for kind, names, now in
-                (("parameter", self.params, params), ("buffer", self.buffers, buffers)) for name in names
-                if name not in now]
+        return [
+            f"{kind} {name!r} (the step removed it)"
+            for kind, names, now in (("parameter", self.params, params), ("buffer", self.buffers, buffers))
+            for name in names
+            if name not in now
+        ]
 
 
 def capture(model: nn.Module, api: str = "remat", *, parameters: bool = True) -> ModelState:

@@ -66,9 +66,7 @@ def compute_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
     loss = default_loss(output) if loss_fn is None else loss_fn(output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise RematError(
-            f"remat: loss_fn must return a scalar tensor, got {shape}; reduce it, e.g. with .mean()."
-        )
+        raise RematError(f"remat: loss_fn must return a scalar tensor, got {shape}; reduce it, e.g. with .mean().")
     return loss
 
 
@@ -143,8 +141,10 @@ class InputGrads:
 
     def __init__(self, inputs: Inputs) -> None:
         tensors = list({id(t): t for t in input_tensors(inputs) if t.is_leaf}.values())
-        self.saved = [(t, t.grad, None if t.grad is None else (t.grad.detach().to("cpu", copy=True), t.grad._version))
-                      for t in tensors]
+        self.saved = [
+            (t, t.grad, None if t.grad is None else (t.grad.detach().to("cpu", copy=True), t.grad._version))
+            for t in tensors
+        ]
         """Per leaf input: (it, its gradient, (the gradient's values, its version) where it has one)."""
 
     def restore(self) -> None:

@@ -126,8 +126,19 @@ def _from_context_fn(context_fn: Callable[[], Any], policy: Any) -> tuple[Any, C
 
 #: Options torch's ``checkpoint`` gained after the oldest torch remat supports, that remat honours.
 RECENT_OPTIONS = ("respect_saved_tensors_hooks",)
-_READ_BY_NAME = frozenset({"function", "args", "kwargs", "use_reentrant", "context_fn", "determinism_check", "debug",
-                           "early_stop", "preserve_rng_state"})
+_READ_BY_NAME = frozenset(
+    {
+        "function",
+        "args",
+        "kwargs",
+        "use_reentrant",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "preserve_rng_state",
+    }
+)
 
 
 def _torch_option_names() -> frozenset[str]:
@@ -167,8 +178,11 @@ def _read_later_options(options: dict[str, Any], policy: Any) -> bool | None:
         raise CheckpointOptionError(
             f"remat.checkpoint: respect_saved_tensors_hooks must be True, False or None, got {respect!r}."
         )
-    if respect and "respect_saved_tensors_hooks" not in TORCH_OPTIONS and not (isinstance(policy, str)
-                                                                             and policy in ("full", "keep")):
+    if (
+        respect
+        and "respect_saved_tensors_hooks" not in TORCH_OPTIONS
+        and not (isinstance(policy, str) and policy in ("full", "keep"))
+    ):
         raise CheckpointOptionError(
             f"remat.checkpoint: respect_saved_tensors_hooks=True with policy={policy!r} needs torch 2.14 or later "
             f"(this is torch {torch.__version__}): its selective checkpoint keeps op outputs outside the "
@@ -216,8 +230,15 @@ def read_torch_options(
 ) -> tuple[Any, CallOptions]:
     """The policy and options a torch-style call means (NOTE above); ``later``: the options torch added
     later (``split_torch_options``). CheckpointOptionError for what remat refuses."""
-    if (use_reentrant is None and context_fn is None and determinism_check == "default" and debug is None
-            and early_stop is None and not later and not getattr(tuc, "_checkpoint_debug_enabled", None)):
+    if (
+        use_reentrant is None
+        and context_fn is None
+        and determinism_check == "default"
+        and debug is None
+        and early_stop is None
+        and not later
+        and not getattr(tuc, "_checkpoint_debug_enabled", None)
+    ):
         return policy, DEFAULT  # every block call of an applied plan: no checks, no new options object
     if determinism_check not in _DETERMINISM:
         raise CheckpointOptionError(

@@ -77,7 +77,9 @@ def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = 
 def require_module(model: object, api: str) -> None:
     """A RematError unless ``model`` is an ``nn.Module`` (remat finds blocks and restores state through it)."""
     if not isinstance(model, nn.Module):
-        hint = " (a function: wrap it in an nn.Module, or checkpoint it with remat.checkpoint)" if callable(model) else ""
+        hint = (
+            " (a function: wrap it in an nn.Module, or checkpoint it with remat.checkpoint)" if callable(model) else ""
+        )
         raise RematError(f"{api}: model must be a torch.nn.Module, got {type(model).__name__}{hint}.")
 
 

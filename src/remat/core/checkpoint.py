@@ -27,15 +27,19 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import (
     _StopRecomputationError as _StopRecomputation,
+)
+from torch.utils.checkpoint import (
     checkpoint as _torch_checkpoint,
+)
+from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
 from remat.core._by_module import StructureRecorder, by_module_allowed, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWritten, Stacked
-from remat.core._region import Region
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
+from remat.core._region import Region
 from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import (
     DEFAULT,
@@ -51,6 +55,7 @@ from remat.errors import RecomputeError, RematError
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
 
 def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
@@ -168,8 +173,14 @@ def _run_checkpointed(
     owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
     owner = owner if isinstance(owner, nn.Module) else None
     recorder, remember_structure = None, None
-    if (owner is not None and isinstance(policy, str) and policy == "selective" and options.contexts is None
-            and by_module_allowed() and not _inside_saved_tensor_hooks()):
+    if (
+        owner is not None
+        and isinstance(policy, str)
+        and policy == "selective"
+        and options.contexts is None
+        and by_module_allowed()
+        and not _inside_saved_tensor_hooks()
+    ):
         structure, remember_structure = _learned_memo(fn, _STRUCTURES)  # NOTE in remat.core._by_module
         regions = structure.live() if structure is not None else None
         if regions:
@@ -202,7 +213,7 @@ def _run_checkpointed(
             phase["forward"] = False
             return fn(*region.args, **region.kwargs)
         if nested:
-            region.restore_inputs(tensors[len(markers):])
+            region.restore_inputs(tensors[len(markers) :])
         rargs, rkwargs = region.recompute_inputs()
         try:
             return fn(*rargs, **rkwargs)
@@ -239,8 +250,11 @@ def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception
     """What to tell when ``fn`` failed while rerun in backward."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
     again = region.recomputations > 1 or not region.forward_done
-    if (policy_function(policy) is not None and isinstance(exc, RuntimeError)
-            and (_SAC_ONCE[0] in str(exc) or (again and _SAC_ONCE[1] in str(exc)))):
+    if (
+        policy_function(policy) is not None
+        and isinstance(exc, RuntimeError)
+        and (_SAC_ONCE[0] in str(exc) or (again and _SAC_ONCE[1] in str(exc)))
+    ):
         return RecomputeError(
             f"remat.checkpoint: {name} was recomputed more than once (backward twice with retain_graph=True, "
             "a double backward with create_graph=True, or torch.autograd.grad inside the function), which "
@@ -313,21 +327,33 @@ def checkpoint(
     later: dict[str, Any] = {}
     if kwargs and not OPTION_NAMES.isdisjoint(kwargs):  # options torch added (NOTE in remat.core._torch_options)
         kwargs, later = split_torch_options(kwargs)
-    torch_options = {"use_reentrant": use_reentrant, "context_fn": context_fn, "determinism_check": determinism_check,
-                     "debug": debug, "early_stop": early_stop, "later": later}
+    torch_options = {
+        "use_reentrant": use_reentrant,
+        "context_fn": context_fn,
+        "determinism_check": determinism_check,
+        "debug": debug,
+        "early_stop": early_stop,
+        "later": later,
+    }
     if fn is None:
         if args or kwargs:
             raise RematError(
                 "remat.checkpoint: arguments were given but no function; call "
                 "remat.checkpoint(fn, *args) or use @remat.checkpoint(policy=...) as a decorator."
             )
-        return functools.partial(_decorate, policy=policy, preserve_rng_state=preserve_rng_state,
-                                 torch_options=torch_options)
+        return functools.partial(
+            _decorate, policy=policy, preserve_rng_state=preserve_rng_state, torch_options=torch_options
+        )
     return _checkpoint_call(fn, args, kwargs, policy, preserve_rng_state, torch_options)
 
 
-_NO_TORCH_OPTIONS: dict[str, Any] = {"use_reentrant": None, "context_fn": None, "determinism_check": "default",
-                                     "debug": None, "early_stop": None}
+_NO_TORCH_OPTIONS: dict[str, Any] = {
+    "use_reentrant": None,
+    "context_fn": None,
+    "determinism_check": "default",
+    "debug": None,
+    "early_stop": None,
+}
 
 
 def _checkpoint_call(

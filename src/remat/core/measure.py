@@ -84,13 +84,22 @@ def _sync(device: torch.device) -> None:
 def resting_tensors(model: nn.Module, inputs: Inputs, loop: Loop = NO_LOOP) -> list[torch.Tensor]:
     """What is alive before a step: parameters, buffers, inputs (and gradients they already hold), and what
     ``loop`` keeps between steps."""
-    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *input_tensors(inputs),
-               *input_grads(inputs)]
+    tensors = [
+        *model.parameters(),
+        *(b for b in model.buffers() if b is not None),
+        *input_tensors(inputs),
+        *input_grads(inputs),
+    ]
     return tensors + loop.resident(model)
 
 
 def measure_peak(
-    model: nn.Module, inputs: Inputs, loss_fn: LossFn | None = None, loop: Loop = NO_LOOP, *, allocator: bool = False,
+    model: nn.Module,
+    inputs: Inputs,
+    loss_fn: LossFn | None = None,
+    loop: Loop = NO_LOOP,
+    *,
+    allocator: bool = False,
 ) -> tuple[int, int, float]:
     """(peak bytes, resting bytes, loss) of one step as ``loop`` repeats it; gradients are left on the model.
 
@@ -106,8 +115,9 @@ def measure_peak(
         grads.restore()
 
 
-def _peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, loop: Loop,
-          allocator: bool) -> tuple[int, int, float]:
+def _peak(
+    model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, loop: Loop, allocator: bool
+) -> tuple[int, int, float]:
     device = device_of(model, inputs)
     loop.steady(model, inputs, loss_fn)
     loop.start(model)
@@ -166,8 +176,10 @@ def measure(
     device = device_of(model, inputs)
     state, grads = capture(model, "remat.measure"), InputGrads(inputs)
     opt_state = OptimizerSnapshot(optimizer, "remat.measure")
-    with restoring("remat.measure", grads.restore, state.restore, opt_state.restore), \
-            model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)):
+    with (
+        restoring("remat.measure", grads.restore, state.restore, opt_state.restore),
+        model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)),
+    ):
         loop.steady(model, inputs, loss_fn)
         times = []
         for i in range(warmup + repeat):
@@ -194,8 +206,9 @@ def measure(
     )
 
 
-def compiled_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, *, backend: str,
-                  loop: Loop = NO_LOOP) -> int:
+def compiled_peak(
+    model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, *, backend: str, loop: Loop = NO_LOOP
+) -> int:
     """Peak bytes of one ``torch.compile(model, backend=backend)`` training step of ``loop``, allocator-level.
 
     One step compiles first, so the compiler's own allocations are not counted. Gradients,

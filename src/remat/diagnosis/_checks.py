@@ -27,7 +27,8 @@ class Finding:
 
     code: str
     """Stable identifier: ``frozen-by-checkpoint``, ``wrong-gradients``, ``rng-not-preserved``,
-    ``saved-random-op``, ``rng-stream-changed``, ``buffers-updated-twice``, ``side-effects-repeated``, ``checkpoint-does-not-pay``,
+    ``saved-random-op``, ``rng-stream-changed``, ``buffers-updated-twice``, ``side-effects-repeated``,
+    ``checkpoint-does-not-pay``,
     ``risky-call`` or ``illusory-speedup``."""
     severity: str
     """``"error"``: training differs from the model without checkpointing; ``"warning"``:
@@ -155,7 +156,8 @@ def check_frozen(ref: StepRecord, ck: StepRecord, params: tuple[str, ...]) -> li
     largest = max(float(g.abs().max()) for g in present)
     message = (
         f"{len(params)} trainable parameters of {', '.join(modules)} ({values:,} values) get no gradient with "
-        f"checkpointing but do without it (largest gradient without checkpointing: {largest:.3g}); they are not trained."
+        f"checkpointing but do without it (largest gradient without checkpointing: {largest:.3g}); "
+        "they are not trained."
     )
     if causes:
         unset = any(c.use_reentrant_unset for c in causes)
@@ -172,12 +174,22 @@ def check_frozen(ref: StepRecord, ck: StepRecord, params: tuple[str, ...]) -> li
     else:
         inside = [c for c in ck.calls if any(_inside(c, m) for m in owners)]
         message += f" The gradient is lost inside {_where(inside) or 'a checkpointed region'}."
-        fix = ("Make sure the checkpointed function's outputs depend on these parameters through autograd; "
-               "use remat.checkpoint, which records the graph normally.")
-    return [Finding(
-        "frozen-by-checkpoint", ERROR, message, fix, modules, params, _sites(causes),
-        {"params": len(params), "values": values, "largest_reference_grad": largest},
-    )]
+        fix = (
+            "Make sure the checkpointed function's outputs depend on these parameters through autograd; "
+            "use remat.checkpoint, which records the graph normally."
+        )
+    return [
+        Finding(
+            "frozen-by-checkpoint",
+            ERROR,
+            message,
+            fix,
+            modules,
+            params,
+            _sites(causes),
+            {"params": len(params), "values": values, "largest_reference_grad": largest},
+        )
+    ]
 
 
 def check_gradients(ref: StepRecord, ck: StepRecord, skip: set[str], rtol: float, atol: float) -> list[Finding]:
@@ -196,23 +208,42 @@ def check_gradients(ref: StepRecord, ck: StepRecord, skip: set[str], rtol: float
     worst = ", ".join(f"{n} (max abs error {e:.3g}, {r:.1%} of its largest gradient)" for r, e, n in bad[:3])
     random = [c for c in ck.calls if not c.preserve_rng_state and c.random_ops]
     if random:
-        why = (f" Likely cause: {_where(random)} draws random numbers with preserve_rng_state=False "
-               "(see rng-not-preserved).")
+        why = (
+            f" Likely cause: {_where(random)} draws random numbers with preserve_rng_state=False "
+            "(see rng-not-preserved)."
+        )
     else:
-        why = (" The checkpointed function is not a pure function of its inputs: recomputation saw different state "
-               "(random numbers, buffers or Python attributes) than the forward.")
+        why = (
+            " The checkpointed function is not a pure function of its inputs: recomputation saw different state "
+            "(random numbers, buffers or Python attributes) than the forward."
+        )
     message = (
         f"Gradients of {len(bad)} parameters differ from the step without checkpointing beyond rtol={rtol:g}, "
         f"atol={atol:g}; worst: {worst}. Loss {ck.loss:.6g} with checkpointing, {ref.loss:.6g} without.{why}"
     )
-    fix = ("Keep preserve_rng_state=True (the default) and keep state changes out of checkpointed regions, or use "
-           "remat.checkpoint, which restores the RNG and buffers for recomputation.")
+    fix = (
+        "Keep preserve_rng_state=True (the default) and keep state changes out of checkpointed regions, or use "
+        "remat.checkpoint, which restores the RNG and buffers for recomputation."
+    )
     params = tuple(n for _, _, n in bad)
-    return [Finding(
-        "wrong-gradients", ERROR, message, fix, collapse(params, ref.grads), params, _sites(random),
-        {"params": len(bad), "max_abs_error": bad[0][1], "max_rel_error": bad[0][0],
-         "loss_reference": ref.loss, "loss_checkpointed": ck.loss},
-    )]
+    return [
+        Finding(
+            "wrong-gradients",
+            ERROR,
+            message,
+            fix,
+            collapse(params, ref.grads),
+            params,
+            _sites(random),
+            {
+                "params": len(bad),
+                "max_abs_error": bad[0][1],
+                "max_rel_error": bad[0][0],
+                "loss_reference": ref.loss,
+                "loss_checkpointed": ck.loss,
+            },
+        )
+    ]
 
 
 def check_rng(ck: StepRecord) -> list[Finding]:
@@ -221,7 +252,7 @@ def check_rng(ck: StepRecord) -> list[Finding]:
         if not c.preserve_rng_state and c.random_ops:
             groups[(c.site, c.target)].append(c)
     findings = []
-    for (site, target), calls in groups.items():
+    for calls in groups.values():
         drawers = tuple(sorted(set().union(*(c.random_modules for c in calls))))
         ops = sum(c.random_ops for c in calls)
         verb = "draws" if len(drawers) == 1 else "draw"
@@ -230,12 +261,22 @@ def check_rng(ck: StepRecord) -> list[Finding]:
             f"random numbers inside it ({ops} random ops per step). Recomputation in backward draws different "
             "numbers (a different dropout mask), so gradients are computed for a forward that never happened."
         )
-        fix = ("Remove preserve_rng_state=False: the default stashes and restores the RNG state, so dropout works "
-               "inside a checkpoint and need not be moved out of the block; remat.checkpoint does the same.")
-        findings.append(Finding(
-            "rng-not-preserved", ERROR, message, fix, _union([drawers, *(c.module_names for c in calls)]), (),
-            _sites(calls), {"random_ops": ops},
-        ))
+        fix = (
+            "Remove preserve_rng_state=False: the default stashes and restores the RNG state, so dropout works "
+            "inside a checkpoint and need not be moved out of the block; remat.checkpoint does the same."
+        )
+        findings.append(
+            Finding(
+                "rng-not-preserved",
+                ERROR,
+                message,
+                fix,
+                _union([drawers, *(c.module_names for c in calls)]),
+                (),
+                _sites(calls),
+                {"random_ops": ops},
+            )
+        )
     return findings
 
 
@@ -255,13 +296,23 @@ def check_saved_random(ck: StepRecord) -> list[Finding]:
             "draws a different mask than the forward did. On CUDA, scaled_dot_product_attention with dropout is "
             "such an op."
         )
-        fix = ("Use remat.checkpoint(fn, *args, policy=...) with the same op list or policy function: it advances "
-               "the generator past every kept random op in recompute. With torch's checkpoint, leave random ops out "
-               "of the save list (return PREFER_RECOMPUTE for them).")
-        findings.append(Finding(
-            "saved-random-op", ERROR, message, fix, _union(c.module_names for c in calls), (), _sites(calls),
-            {"saved_random_outputs": count},
-        ))
+        fix = (
+            "Use remat.checkpoint(fn, *args, policy=...) with the same op list or policy function: it advances "
+            "the generator past every kept random op in recompute. With torch's checkpoint, leave random ops out "
+            "of the save list (return PREFER_RECOMPUTE for them)."
+        )
+        findings.append(
+            Finding(
+                "saved-random-op",
+                ERROR,
+                message,
+                fix,
+                _union(c.module_names for c in calls),
+                (),
+                _sites(calls),
+                {"saved_random_outputs": count},
+            )
+        )
     return findings
 
 
@@ -276,8 +327,10 @@ def check_rng_stream(ref: StepRecord, ck: StepRecord) -> list[Finding]:
         "every later step draws different dropout masks and data-loader shuffles than the model without "
         "checkpointing would."
     )
-    fix = ("Keep preserve_rng_state=True (the default), which restores the generators around recomputation, or "
-           "use remat.checkpoint; draw random numbers inside checkpointed regions only from the default generators.")
+    fix = (
+        "Keep preserve_rng_state=True (the default), which restores the generators around recomputation, or "
+        "use remat.checkpoint; draw random numbers inside checkpointed regions only from the default generators."
+    )
     return [Finding("rng-stream-changed", ERROR, message, fix, (), (), _sites(ck.calls), {"streams": len(differ)})]
 
 
@@ -310,8 +363,10 @@ def check_buffers(ref: StepRecord, ck: StepRecord, before: dict[str, torch.Tenso
         f"{_where(calls) or 'The checkpoint'} reruns the forward in backward, and the modules update their running "
         "statistics again in the recomputation."
     )
-    fix = ("Use remat.checkpoint or remat.wrap, which update module buffers once per step and let the recomputation "
-           "see the values the forward saw; or keep these modules outside checkpointed regions.")
+    fix = (
+        "Use remat.checkpoint or remat.wrap, which update module buffers once per step and let the recomputation "
+        "see the values the forward saw; or keep these modules outside checkpointed regions."
+    )
     return [Finding("buffers-updated-twice", ERROR, message, fix, modules, tuple(names), _sites(calls), numbers)]
 
 
@@ -324,9 +379,7 @@ def _show(value: Any) -> str:
     return "unset" if value is _MISSING else repr(value)
 
 
-def check_side_effects(
-    ref: StepRecord, ck: StepRecord, hooks: dict[str, tuple[list[str], list[str]]]
-) -> list[Finding]:
+def check_side_effects(ref: StepRecord, ck: StepRecord, hooks: dict[str, tuple[list[str], list[str]]]) -> list[Finding]:
     changed: dict[str, list[str]] = defaultdict(list)
     for key in dict.fromkeys([*ref.python, *ck.python]):
         a, b = ref.python.get(key, _MISSING), ck.python.get(key, _MISSING)
@@ -338,25 +391,37 @@ def check_side_effects(
 
     for module, (pre, post) in hooks.items():
         again = (pre if runs(ck, module) > runs(ref, module) else []) + (
-            post if ck.completed.get(module, 0) > ref.completed.get(module, 0) else [])
+            post if ck.completed.get(module, 0) > ref.completed.get(module, 0) else []
+        )
         if again:
             changed[module].append(f"forward hooks {', '.join(again)} run again with it")
     if not changed:
         return []
     lines = [
         f"{m} runs {runs(ck, m)} times per step ({ck.backward_calls.get(m, 0)} recomputed in backward) instead of "
-        f"{runs(ref, m)}; {'; '.join(what)}" for m, what in changed.items()
+        f"{runs(ref, m)}; {'; '.join(what)}"
+        for m, what in changed.items()
     ]
     calls = [c for c in ck.calls if any(_inside(c, m) for m in changed)]
     where = _where(calls) or "recomputation"
     message = f"Forward side effects repeat under checkpointing ({where}): " + ". ".join(lines) + "."
-    fix = ("Keep side effects (counters, caches, logging, hooks) out of checkpointed regions, or guard them with "
-           "`if not remat.is_recomputing():` and checkpoint with remat.checkpoint / remat.wrap.")
+    fix = (
+        "Keep side effects (counters, caches, logging, hooks) out of checkpointed regions, or guard them with "
+        "`if not remat.is_recomputing():` and checkpoint with remat.checkpoint / remat.wrap."
+    )
     worst = max(changed, key=lambda m: runs(ck, m) - runs(ref, m))
-    return [Finding(
-        "side-effects-repeated", ERROR, message, fix, tuple(changed), (), _sites(calls),
-        {"calls_reference": runs(ref, worst), "calls_checkpointed": runs(ck, worst)},
-    )]
+    return [
+        Finding(
+            "side-effects-repeated",
+            ERROR,
+            message,
+            fix,
+            tuple(changed),
+            (),
+            _sites(calls),
+            {"calls_reference": runs(ref, worst), "calls_checkpointed": runs(ck, worst)},
+        )
+    ]
 
 
 def fastest(m: Measurement) -> float:
@@ -385,22 +450,41 @@ def check_cost(ck: StepRecord, costs: Costs, leaves: set[str], min_saving: float
             kept = " (here raw data, kept in memory anyway)" if not call.inputs_require_grad else ""
             why = f"A single layer keeps only its input{kept} for backward, and the checkpoint keeps that input too."
         else:
-            why = ("The step's peak is set elsewhere (in another block's backward or the loss), so what this region "
-                   "frees does not lower it.")
+            why = (
+                "The step's peak is set elsewhere (in another block's backward or the loss), so what this region "
+                "frees does not lower it."
+            )
         t_with, t_without = fastest(with_), fastest(without)
         message = (
             f"{_where([call])} lowers the step's peak memory by {human_bytes(saving)} ({saving / base:.1%} of the "
             f"step's own peak without checkpointing): {human_bytes(with_.peak_bytes)} with it, "
-            f"{human_bytes(without.peak_bytes)} without. Recomputing it makes the step {t_with * 1e3:.1f} ms instead of "
+            f"{human_bytes(without.peak_bytes)} without. "
+            f"Recomputing it makes the step {t_with * 1e3:.1f} ms instead of "
             f"{t_without * 1e3:.1f} ms (fastest of {len(with_.step_times_s)} timed steps). {why}"
         )
-        fix = (f"Remove this checkpoint on {call.label} (it costs recomputation for nothing), or checkpoint larger "
-               "blocks whose internals are much bigger than their inputs.")
-        findings.append(Finding(
-            "checkpoint-does-not-pay", WARNING, message, fix, call.module_names, (), _sites([call]),
-            {"peak_bytes_with": with_.peak_bytes, "peak_bytes_without": without.peak_bytes, "saving_bytes": saving,
-             "step_time_s_with": t_with, "step_time_s_without": t_without, "extra_time_s": t_with - t_without},
-        ))
+        fix = (
+            f"Remove this checkpoint on {call.label} (it costs recomputation for nothing), or checkpoint larger "
+            "blocks whose internals are much bigger than their inputs."
+        )
+        findings.append(
+            Finding(
+                "checkpoint-does-not-pay",
+                WARNING,
+                message,
+                fix,
+                call.module_names,
+                (),
+                _sites([call]),
+                {
+                    "peak_bytes_with": with_.peak_bytes,
+                    "peak_bytes_without": without.peak_bytes,
+                    "saving_bytes": saving,
+                    "step_time_s_with": t_with,
+                    "step_time_s_without": t_without,
+                    "extra_time_s": t_with - t_without,
+                },
+            )
+        )
     return findings
 
 
@@ -413,8 +497,11 @@ def check_risky(ck: StepRecord) -> list[Finding]:
     for site, calls in groups.items():
         unset = any(c.use_reentrant_unset for c in calls)
         targets = tuple(dict.fromkeys(c.label for c in calls))
-        how = ("leaves use_reentrant unset, which torch 2.13 treats as use_reentrant=True" if unset
-               else "passes use_reentrant=True")
+        how = (
+            "leaves use_reentrant unset, which torch 2.13 treats as use_reentrant=True"
+            if unset
+            else "passes use_reentrant=True"
+        )
         at = f" at {site}" if site else ""
         count = f"{len(calls)} call{'s' if len(calls) > 1 else ''} per step"
         message = (
@@ -422,10 +509,18 @@ def check_risky(ck: StepRecord) -> list[Finding]:
             "gradient to the parameters inside when no input requires grad, rejects keyword arguments and "
             "torch.autograd.grad; PyTorch recommends use_reentrant=False."
         )
-        findings.append(Finding(
-            "risky-call", WARNING, message, reentrant_fix(calls), _union(c.module_names for c in calls), (),
-            _sites(calls), {"calls": len(calls), "use_reentrant_unset": float(unset)},
-        ))
+        findings.append(
+            Finding(
+                "risky-call",
+                WARNING,
+                message,
+                reentrant_fix(calls),
+                _union(c.module_names for c in calls),
+                (),
+                _sites(calls),
+                {"calls": len(calls), "use_reentrant_unset": float(unset)},
+            )
+        )
     return findings
 
 
@@ -444,10 +539,25 @@ def check_speedup(costs: Costs | None, ref: StepRecord, params: tuple[str, ...])
         f"{', '.join(modules)} get no gradient, so their backward and the activations it needs are skipped. "
         "It is not a speed-up: those layers are not being trained."
     )
-    fix = ("Fix frozen-by-checkpoint first, then compare again with remat.measure: correct checkpointing makes a step "
-           "slower, not faster, and lighter only where it frees activations.")
-    return [Finding(
-        "illusory-speedup", WARNING, message, fix, modules, params, (),
-        {"step_time_s_reference": t_ref, "step_time_s_checkpointed": t_ck,
-         "peak_bytes_reference": r.peak_bytes, "peak_bytes_checkpointed": c.peak_bytes, "untrained_params": len(params)},
-    )]
+    fix = (
+        "Fix frozen-by-checkpoint first, then compare again with remat.measure: correct checkpointing makes a step "
+        "slower, not faster, and lighter only where it frees activations."
+    )
+    return [
+        Finding(
+            "illusory-speedup",
+            WARNING,
+            message,
+            fix,
+            modules,
+            params,
+            (),
+            {
+                "step_time_s_reference": t_ref,
+                "step_time_s_checkpointed": t_ck,
+                "peak_bytes_reference": r.peak_bytes,
+                "peak_bytes_checkpointed": c.peak_bytes,
+                "untrained_params": len(params),
+            },
+        )
+    ]

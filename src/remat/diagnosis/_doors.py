@@ -63,8 +63,10 @@ def doors() -> tuple[str, str]:
     """(the reentrant ``autograd.Function``'s name, the non-reentrant generator's name) in torch.utils.checkpoint."""
     functions, generators = _looked_up(tuc.checkpoint)
     if len(functions) != 1 or len(generators) != 1:
-        raise _blind(f"its code reaches {len(functions)} autograd.Function(s) {functions} and "
-                     f"{len(generators)} generator(s) {generators}, where one of each was expected")
+        raise _blind(
+            f"its code reaches {len(functions)} autograd.Function(s) {functions} and "
+            f"{len(generators)} generator(s) {generators}, where one of each was expected"
+        )
     _canary(functions[0], generators[0])
     return functions[0], generators[0]
 
@@ -96,8 +98,9 @@ def _canary(function_name: str, generator_name: str) -> None:
             tuc.checkpoint(torch.neg, x, use_reentrant=reentrant, preserve_rng_state=False)
     missed = [kind for kind, count in seen.items() if count != 1]
     if missed:
-        raise _blind(f"a {' and a '.join(missed)} checkpoint call did not pass through "
-                     f"{function_name} / {generator_name}")
+        raise _blind(
+            f"a {' and a '.join(missed)} checkpoint call did not pass through {function_name} / {generator_name}"
+        )
 
 
 def _blind(why: str) -> RematError:

@@ -61,8 +61,10 @@ _MACHINERY = frozenset({functools.__file__, contextlib.__file__, __file__})
 _REMAT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # remat's own step runners: reaching one means no user code called the checkpoint (a
 # remat.wrap'd module inside torch's nn.Sequential, say), so there is no call site to show.
-_RUNNERS = frozenset(os.path.join(_REMAT_DIR, wing, f)
-                     for wing, f in (("core", "_step.py"), ("core", "measure.py"), ("diagnosis", "doctor.py")))
+_RUNNERS = frozenset(
+    os.path.join(_REMAT_DIR, wing, f)
+    for wing, f in (("core", "_step.py"), ("core", "measure.py"), ("diagnosis", "doctor.py"))
+)
 _UNSET_WARNING = "use_reentrant parameter should be passed explicitly"
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 # Libraries whose own gradient checkpointing calls torch's (``enable_gradient_checkpointing``).
@@ -141,7 +143,7 @@ class CheckpointCall:
 
 def _short(path: str) -> str:
     cwd = os.getcwd() + os.sep
-    return path[len(cwd):] if path.startswith(cwd) else path
+    return path[len(cwd) :] if path.startswith(cwd) else path
 
 
 def _call_site() -> tuple[str, str]:
@@ -239,7 +241,14 @@ class Interceptor:
         if not self.recording:
             return None, False
         call = CheckpointCall(
-            key, api, reentrant, unset, bool(preserve), _requires_grad(inputs), len(self.open), len(self.module_stack),
+            key,
+            api,
+            reentrant,
+            unset,
+            bool(preserve),
+            _requires_grad(inputs),
+            len(self.open),
+            len(self.module_stack),
             is_module,
         )
         self.calls.append(call)
@@ -353,6 +362,7 @@ def _observed_contexts(context_fn: Callable[[], tuple[Any, Any]], call: Checkpoi
     forward, recompute = context_fn()
     policy = getattr(forward, "policy_fn", None)
     if type(forward).__name__ == "_CachingTorchDispatchMode" and callable(policy):
+
         def observed(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
             decision = policy(ctx, func, *args, **kwargs)
             if draws_random(func) and decision in SAVE_DECISIONS:

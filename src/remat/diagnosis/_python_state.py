@@ -39,10 +39,39 @@ from remat.errors import RematError
 _SCALARS = (bool, int, float, str, type(None))
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _FOREIGN = ("torch.", "remat.")
-_LIST = ("__iter__", "__len__", "__getitem__", "__setitem__", "__delitem__", "__iadd__", "append", "extend",
-         "insert", "pop", "remove", "clear", "sort", "reverse")
-_DICT = ("__iter__", "__len__", "__getitem__", "__setitem__", "__delitem__", "__ior__", "keys", "values", "items",
-         "get", "pop", "popitem", "setdefault", "update", "clear")
+_LIST = (
+    "__iter__",
+    "__len__",
+    "__getitem__",
+    "__setitem__",
+    "__delitem__",
+    "__iadd__",
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+)
+_DICT = (
+    "__iter__",
+    "__len__",
+    "__getitem__",
+    "__setitem__",
+    "__delitem__",
+    "__ior__",
+    "keys",
+    "values",
+    "items",
+    "get",
+    "pop",
+    "popitem",
+    "setdefault",
+    "update",
+    "clear",
+)
 # The known containers, each with the methods a subclass must leave as they are to count as one
 # (NOTE [Putting back only what remat knows how to]).
 _KNOWN: dict[type, tuple[str, ...]] = {
@@ -51,8 +80,21 @@ _KNOWN: dict[type, tuple[str, ...]] = {
     collections.Counter: (*_DICT, "subtract"),
     dict: _DICT,
     list: _LIST,
-    set: ("__iter__", "__len__", "__ior__", "__isub__", "add", "discard", "remove", "pop", "update", "clear",
-          "difference_update", "intersection_update", "symmetric_difference_update"),
+    set: (
+        "__iter__",
+        "__len__",
+        "__ior__",
+        "__isub__",
+        "add",
+        "discard",
+        "remove",
+        "pop",
+        "update",
+        "clear",
+        "difference_update",
+        "intersection_update",
+        "symmetric_difference_update",
+    ),
     collections.deque: (*_LIST, "appendleft", "extendleft", "popleft", "rotate"),
 }
 
@@ -157,7 +199,7 @@ class _Cells(_Space):
 
     def has(self, key: str) -> bool:
         try:
-            self.values[key].cell_contents
+            _ = self.values[key].cell_contents
         except ValueError:  # empty cell
             return False
         return True
@@ -177,9 +219,12 @@ def _functions(module: nn.Module) -> Iterator[Any]:
 
 
 def _user_hooks(hooks: dict) -> list[str]:
-    return [getattr(h, "__qualname__", repr(h)) for h in hooks.values()
-            if not (getattr(h, "__module__", None) or "").startswith(_FOREIGN)
-            and getattr(h, "__module__", None) not in _RECORDING_HOOKS]
+    return [
+        getattr(h, "__qualname__", repr(h))
+        for h in hooks.values()
+        if not (getattr(h, "__module__", None) or "").startswith(_FOREIGN)
+        and getattr(h, "__module__", None) not in _RECORDING_HOOKS
+    ]
 
 
 def _spaces_of(fn: Any, owner: str) -> Iterator[_Space]:

@@ -131,13 +131,17 @@ def _step(run: _Run, *, plain: bool) -> StepRecord:
         elif plain:
             raise RematError(
                 "remat.doctor: the loss does not require grad even without checkpointing, so there is nothing to "
-                "diagnose; check that the model has trainable parameters and that the step is not under torch.no_grad()."
+                "diagnose; check that the model has trainable parameters and that the step is not under "
+                "torch.no_grad()."
             )
     icpt = run.icpt
     return StepRecord(
         loss=float(loss.detach()),
-        grads={n: None if p.grad is None else p.grad.detach().clone()
-               for n, p in run.model.named_parameters() if p.requires_grad},
+        grads={
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in run.model.named_parameters()
+            if p.requires_grad
+        },
         buffers={n: b.detach().clone() for n, b in run.model.named_buffers() if b is not None},
         python=run.python.summary(),
         calls=list(icpt.calls),
@@ -291,8 +295,17 @@ def _leaf_names(model: nn.Module) -> set[str]:
     return {n for n, m in model.named_modules() if n and not any(True for _ in m.children())}
 
 
-def _report(ref: StepRecord, ck: StepRecord, costs: Costs | None, state: ModelState, python: PythonState,
-            leaves: set[str], rtol: float, atol: float, min_saving: float) -> DoctorReport:
+def _report(
+    ref: StepRecord,
+    ck: StepRecord,
+    costs: Costs | None,
+    state: ModelState,
+    python: PythonState,
+    leaves: set[str],
+    rtol: float,
+    atol: float,
+    min_saving: float,
+) -> DoctorReport:
     frozen = checks.frozen(ref, ck)
     findings = [
         *checks.check_frozen(ref, ck, frozen),

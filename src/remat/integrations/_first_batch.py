@@ -30,8 +30,9 @@ PLAN_FILE = "remat_plan.json"
 def check_budget(budget: Any, api: str) -> None:
     """Fail at construction, not after the first batch, on a budget ``parse_budget`` refuses."""
     if budget is None:
-        raise remat.RematError(f"{api}: give budget= (a fraction of the peak without checkpointing such as 0.5, "
-                               "or bytes such as '20GiB').")
+        raise remat.RematError(
+            f"{api}: give budget= (a fraction of the peak without checkpointing such as 0.5, or bytes such as '20GiB')."
+        )
     remat.parse_budget(budget, 1)
 
 
@@ -41,8 +42,9 @@ def with_loop(options: dict[str, Any], optimizer: Any, accumulation_steps: int) 
     return {"optimizer": optimizer, "accumulation_steps": accumulation_steps, **options}
 
 
-def plan_on_batch(model: nn.Module, inputs: Any, budget: Any, options: dict[str, Any], out_dir: Any,
-                  api: str) -> remat.Plan:
+def plan_on_batch(
+    model: nn.Module, inputs: Any, budget: Any, options: dict[str, Any], out_dir: Any, api: str
+) -> remat.Plan:
     """``remat.auto`` on the real batch; logs the plan and its measured peak and writes it to ``out_dir``."""
     plan = remat.auto(model, inputs, budget, **options)
     measured = "not measured" if plan.measured_peak_bytes is None else human_bytes(plan.measured_peak_bytes)

@@ -43,13 +43,15 @@ class RematCallback(TrainerCallback):
         self.plan: Plan | None = None
         self._armed: tuple[nn.Module, Any] | None = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+    ) -> None:
         if _hf_checkpointing(args, model):
             raise RematError(
                 f"{_API}: transformers' own gradient checkpointing is on (TrainingArguments(gradient_checkpointing="
                 "True), activation_checkpointing=True or model.gradient_checkpointing_enable()), so every block would "
-                "be checkpointed twice; set gradient_checkpointing=False and let remat choose which blocks to recompute."
+                "be checkpointed twice; set gradient_checkpointing=False and let remat choose which blocks to "
+                "recompute."
             )
         if model is None or self.plan is not None:
             return
@@ -63,8 +65,10 @@ class RematCallback(TrainerCallback):
                 return (original or type(model).forward.__get__(model))(*f_args, **f_kwargs)
             self.disarm()
             if f_args and f_kwargs:
-                raise RematError(f"{_API}: the model was called with both positional and keyword inputs; remat.auto "
-                                 "profiles a dict (the Trainer's batch) or a tuple. Call the model with one of them.")
+                raise RematError(
+                    f"{_API}: the model was called with both positional and keyword inputs; remat.auto "
+                    "profiles a dict (the Trainer's batch) or a tuple. Call the model with one of them."
+                )
             self.plan = plan_on_batch(model, f_kwargs or f_args, self.budget, options, out_dir, _API)
             return model.forward(*f_args, **f_kwargs)  # the model's own, now with the plan's blocks
 
@@ -90,7 +94,10 @@ def _hf_checkpointing(args: Any, model: nn.Module | None) -> bool:
     flag = getattr(args, "activation_checkpointing", None)
     on = bool(args.gradient_checkpointing if flag is None else flag)
     if model is not None:
-        attr = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        attr = (
+            "is_activation_checkpointing"
+            if hasattr(type(model), "is_activation_checkpointing")
             else "is_gradient_checkpointing"
+        )
         on = on or bool(getattr(model, attr, False))
     return on

@@ -99,7 +99,7 @@ def _unpack(x: list[float], policies: Sequence[str]) -> tuple[dict, dict, float,
     # ``x[-1]`` shifts every backward peak at once: redundant, but a direction the descent can take.
     m, base = len(policies), x[-1]
     saved = dict(zip(policies, (max(v, 0.0) for v in x[:m]), strict=True))
-    during = dict(zip(policies, (v + base for v in x[m:2 * m]), strict=True))
+    during = dict(zip(policies, (v + base for v in x[m : 2 * m]), strict=True))
     return saved, during, max(x[2 * m], 0.0), x[2 * m + 1] + base
 
 
@@ -124,8 +124,14 @@ def fit(measured: dict[tuple[str, ...], int], resting: int) -> ChainFit:
     best = min((_descend(worst, _descend(smooth, x, scale), scale) for x in starts), key=worst)
     saved, during, left, head = _unpack(best, policies)
     margin = max(0, max(v - round(_peak_above(saved, during, left, head, a)) for a, v in above.items()))
-    fitted = ChainFit({p: round(v) for p, v in saved.items()}, {p: round(v) for p, v in during.items()},
-                      round(left), round(head), margin, 0.0)
+    fitted = ChainFit(
+        {p: round(v) for p, v in saved.items()},
+        {p: round(v) for p, v in during.items()},
+        round(left),
+        round(head),
+        margin,
+        0.0,
+    )
     error = max(abs(fitted.predict(a, resting) - v) / v for a, v in measured.items())
     return replace(fitted, worst_error=error)
 
@@ -137,7 +143,7 @@ def _descend(loss: Callable[[list[float]], float], x: list[float], scale: float)
         improved = False
         for i in range(len(x)):
             for move in (step, -step):
-                y = [*x[:i], x[i] + move, *x[i + 1:]]
+                y = [*x[:i], x[i] + move, *x[i + 1 :]]
                 value = loss(y)
                 if value < best:
                     x, best, improved = y, value, True
@@ -177,6 +183,8 @@ def chain_profile(prof: Profile, chain: ChainFit, *, label: str) -> Profile | No
         costs[first] = replace(costs[first], delta=costs[first].delta - lift)
         costs[last] = replace(costs[last], delta=costs[last].delta + lift)
         segments[policy] = costs
-    note = (f"Peaks predicted for {label} by a chain fitted to {label} measurements: worst error "
-            f"{chain.worst_error:.1%} on them (NOTE [Predicting compiled peaks]).")
+    note = (
+        f"Peaks predicted for {label} by a chain fitted to {label} measurements: worst error "
+        f"{chain.worst_error:.1%} on them (NOTE [Predicting compiled peaks])."
+    )
     return replace(prof, segments=segments, crossings=[], recomputes=[], notes=[*prof.notes, note])

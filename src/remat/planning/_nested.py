@@ -103,7 +103,6 @@ MAX_BLOCKS = 128
 _SELECTIVE = ("selective", "selective-ops")
 
 
-
 @dataclass(frozen=True)
 class Node:
     """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
@@ -204,7 +203,7 @@ def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
         if node.end is None:
             total += float(c.chain.extra_s[node.start, node.policy])
         else:
-            total += float(c.fwd_s[node.start:node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
+            total += float(c.fwd_s[node.start : node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
             total += extra_time(c, node.children)
     return total
 
@@ -255,8 +254,9 @@ class _Recursion:
                 self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
 
     @staticmethod
-    def _leftovers(c: Costs, up: Callable[[Any], np.ndarray],
-                   down: Callable[[Any], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _leftovers(
+        c: Costs, up: Callable[[Any], np.ndarray], down: Callable[[Any], np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(csum, held): csum[e] - csum[s], at most what blocks s..e-1 leave after their forward and backward,
         under any policies; held[s, j]: what block s under policy j adds to what the next block leaves (its
         output, which it holds until its own backward: NOTE [Who frees a shared output])."""
@@ -290,8 +290,9 @@ class _Tables(_Recursion):
     rebuilding the plan (codes: a policy j < P, or P + k)."""
 
     def __init__(self, c: Costs, unit: int, head: int) -> None:
-        super().__init__(c, lambda a: -(-np.asarray(a, dtype=np.int64) // unit),
-                         lambda a: np.asarray(a, dtype=np.int64) // unit)
+        super().__init__(
+            c, lambda a: -(-np.asarray(a, dtype=np.int64) // unit), lambda a: np.asarray(a, dtype=np.int64) // unit
+        )
         self.unit, self.m = unit, np.arange(head + 1)
         n = len(c.chain.blocks)
         self.cost = {top: np.full((n + 1, n + 1, len(self.m)), np.inf) for top in (False, True)}
@@ -308,7 +309,8 @@ class _Tables(_Recursion):
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
         rest = self.cost[top][s + 1, e]
         ok = (m[None, :] >= self.FP[s, :, None]) & (
-            m[None, :] >= (self.FD[s] + after + self.held[s] + self.BP[s])[:, None])
+            m[None, :] >= (self.FD[s] + after + self.held[s] + self.BP[s])[:, None]
+        )
         ok &= (self.inside | top)[:, None]
         by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
         options = [np.where(ok, by_policy, np.inf)]
@@ -317,8 +319,11 @@ class _Tables(_Recursion):
         if len(ks):  # the first item a segment [s, k): the rest after its output, its own backward below
             kept = self.kept[s, ks]
             below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta
-            by_split = (_shift_rows(self.cost[top][ks, e], kept) + _shift_rows(self.cost[False][s, ks], below)
-                        + self.refwd[s, ks][:, None])
+            by_split = (
+                _shift_rows(self.cost[top][ks, e], kept)
+                + _shift_rows(self.cost[False][s, ks], below)
+                + self.refwd[s, ks][:, None]
+            )
             options.append(np.where(m[None, :] >= self.peak[s, ks][:, None], by_split, np.inf))
         table = np.concatenate(options)
         first = np.argmin(table, axis=0)  # the first of equal options, as a scan with strict < would keep

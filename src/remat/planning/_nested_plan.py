@@ -21,7 +21,17 @@ from __future__ import annotations
 import numpy as np
 
 from remat.planning._nested import (
-    GRID, Costs, Node, _Recursion, _tables_at, best_at, cell, costs_of, extra_time, simulate, to_plan,
+    GRID,
+    Costs,
+    Node,
+    _Recursion,
+    _tables_at,
+    best_at,
+    cell,
+    costs_of,
+    extra_time,
+    simulate,
+    to_plan,
 )
 from remat.profiling._types import Profile
 
@@ -59,8 +69,9 @@ class _Needs(_Recursion):
         if len(ks):
             kept = self.kept[s, ks]
             below = kept + (self.csum[stop] - self.csum[ks]) + tail_delta
-            needs.append(np.maximum.reduce([self.peak[s, ks], kept + self.need[top][ks, e],
-                                            below + self.need[False][s, ks]]))
+            needs.append(
+                np.maximum.reduce([self.peak[s, ks], kept + self.need[top][ks, e], below + self.need[False][s, ks]])
+            )
             times.append(self.refwd[s, ks] + self.time[top][ks, e] + self.time[False][s, ks])
         need, time = np.maximum(np.concatenate(needs), 0), np.concatenate(times)
         first = int(np.lexsort((time, need))[0])  # least need, then least time

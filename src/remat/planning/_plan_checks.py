@@ -23,9 +23,15 @@ _POLICIES = ("keep", "selective", "selective-ops", "full", "full-fine")
 _INT, _FLOAT, _STR, _BOOL = "an integer", "a number", "a string", "true or false"
 #: field -> (what it must be, may it be null)
 _FIELDS = {
-    "predicted_peak_bytes": (_INT, False), "baseline_peak_bytes": (_INT, False), "min_peak_bytes": (_INT, False),
-    "budget_bytes": (_INT, True), "measured_peak_bytes": (_INT, True), "parameters": (_INT, True),
-    "predicted_overhead": (_FLOAT, False), "strategy": (_STR, False), "model": (_STR, False),
+    "predicted_peak_bytes": (_INT, False),
+    "baseline_peak_bytes": (_INT, False),
+    "min_peak_bytes": (_INT, False),
+    "budget_bytes": (_INT, True),
+    "measured_peak_bytes": (_INT, True),
+    "parameters": (_INT, True),
+    "predicted_overhead": (_FLOAT, False),
+    "strategy": (_STR, False),
+    "model": (_STR, False),
     "training": (_BOOL, True),
 }
 
@@ -58,24 +64,29 @@ def check_plan_fields(data: dict[str, Any]) -> None:
         raise _field_error("execution", data["execution"], '"eager" or "compiled"')
     segments = data.get("segments", [])
     if not isinstance(segments, (list, tuple)) or not all(
-            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)
-            for pair in segments):
+        isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)
+        for pair in segments
+    ):
         raise _field_error("segments", segments, 'a list of [first block, last block] pairs, e.g. [["0", "3"]]')
     assignment = data["assignment"]
     if not isinstance(assignment, dict):
         raise _field_error("assignment", assignment, 'an object of block name -> policy, e.g. {"layers.0": "full"}')
     bad = {b: p for b, p in assignment.items() if p not in _POLICIES}
     if bad:
-        raise RematError(f"remat.Plan.from_json: field 'assignment' has unknown policies {bad}; use keep, "
-                         "selective, selective-ops, full or full-fine.")
+        raise RematError(
+            f"remat.Plan.from_json: field 'assignment' has unknown policies {bad}; use keep, "
+            "selective, selective-ops, full or full-fine."
+        )
     _refuse_root(assignment, "remat.Plan.from_json: field 'assignment'")
     check_disjoint(list(assignment), api="remat.Plan.from_json: field 'assignment':")
 
 
 def _refuse_root(assignment: dict[str, str], api: str) -> None:
     if "" in assignment:
-        raise RematError(f"{api} names the root module ''; a plan checkpoints blocks inside the model (the "
-                         "whole step recomputed saves nothing). Name the blocks (e.g. 'layers.0') instead.")
+        raise RematError(
+            f"{api} names the root module ''; a plan checkpoints blocks inside the model (the "
+            "whole step recomputed saves nothing). Name the blocks (e.g. 'layers.0') instead."
+        )
 
 
 def check_plan_fits(model: nn.Module, plan: Any) -> None:
@@ -86,9 +97,12 @@ def check_plan_fits(model: nn.Module, plan: Any) -> None:
     what = type(model).__name__
     if plan.model and plan.model not in names and plan.model.removeprefix("FSDP") not in names:
         inside = [n for n, m in model.named_modules() if n and type(m).__name__ == plan.model]
-        hint = (f" It is inside this one at {inside[0]!r}: apply the plan to that module." if inside else
-                " A plan applies to the whole model it was profiled on, not to a part of it or another model; "
-                "profile this one with remat.profile and plan again.")
+        hint = (
+            f" It is inside this one at {inside[0]!r}: apply the plan to that module."
+            if inside
+            else " A plan applies to the whole model it was profiled on, not to a part of it or another model; "
+            "profile this one with remat.profile and plan again."
+        )
         raise RematError(f"remat.apply: the plan was made for a {plan.model}, this model is a {what}.{hint}")
     modules = dict(model.named_modules())
     missing = sorted(n for n in plan.assignment if n not in modules)
@@ -116,5 +130,5 @@ def _in_segments(plan: Any) -> set[str]:
     inside: set[str] = set()
     for first, last in plan.segments:
         if first in index and last in index:
-            inside.update(order[index[first]:index[last] + 1])
+            inside.update(order[index[first] : index[last] + 1])
     return inside

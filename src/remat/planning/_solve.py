@@ -78,8 +78,10 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
         return None
     pols = list(profile.policies)
     releases = {k for costs in profile.segments.values() for k, c in costs.items() if c.cast_release}
-    seg = {p: {k: _Casts(c, credit if k in releases else 0) for k, c in costs.items()}
-           for p, costs in profile.segments.items()}
+    seg = {
+        p: {k: _Casts(c, credit if k in releases else 0) for k, c in costs.items()}
+        for p, costs in profile.segments.items()
+    }
     n, P = len(fwd_blocks), len(pols)
     fwd_delta, fwd_peak = np.zeros((n, P), np.int64), np.zeros((n, P), np.int64)
     bwd_delta, bwd_peak = np.zeros((n, P), np.int64), np.zeros((n, P), np.int64)
@@ -120,8 +122,20 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
     after = np.concatenate([np.cumsum(net[::-1])[::-1][1:], [0]])
     by_name = {b.name: b for b in profile.blocks}
     extra = np.array([[by_name[b].extra_time_s[p] for p in pols] for b in fwd_blocks])
-    return Chain(fwd_blocks, pols, fwd_delta, fwd_peak, bwd_peak, after, post_delta, post_peak,
-                 profile.resting_bytes + live, profile.resting_bytes + top, extra, bwd_delta)
+    return Chain(
+        fwd_blocks,
+        pols,
+        fwd_delta,
+        fwd_peak,
+        bwd_peak,
+        after,
+        post_delta,
+        post_peak,
+        profile.resting_bytes + live,
+        profile.resting_bytes + top,
+        extra,
+        bwd_delta,
+    )
 
 
 def _grid(chain: Chain) -> tuple[int, int, int]:
@@ -162,8 +176,12 @@ def solve(chain: Chain, budget: float, *, minimise_peak: bool = False) -> tuple[
     for j in range(P):
         distinct.setdefault((int(chain.post_delta[j]), int(chain.post_peak[j])), j)
     for last in sorted(distinct.values()):
-        allowed_last = [j for j in range(P) if (int(chain.post_delta[j]), int(chain.post_peak[j]))
-                        == (int(chain.post_delta[last]), int(chain.post_peak[last]))]
+        allowed_last = [
+            j
+            for j in range(P)
+            if (int(chain.post_delta[j]), int(chain.post_peak[j]))
+            == (int(chain.post_delta[last]), int(chain.post_peak[last]))
+        ]
         value = np.full(cells, np.inf)
         value[-lo // grid] = float(chain.pre_peak) if minimise_peak else 0.0
         choices = np.zeros((n, cells), np.int8)
@@ -171,8 +189,14 @@ def solve(chain: Chain, budget: float, *, minimise_peak: bool = False) -> tuple[
             candidates = np.full((P, cells), np.inf)
             for j in allowed_last if k == n - 1 else range(P):
                 fwd_top = chain.start + levels + chain.fwd_peak[k, j]
-                bwd_top = (chain.start + levels + chain.fwd_delta[k, j] + chain.after[k]
-                           + chain.post_delta[last] + chain.bwd_peak[k, j])
+                bwd_top = (
+                    chain.start
+                    + levels
+                    + chain.fwd_delta[k, j]
+                    + chain.after[k]
+                    + chain.post_delta[last]
+                    + chain.bwd_peak[k, j]
+                )
                 top = np.maximum(fwd_top, bwd_top)
                 if minimise_peak:
                     cost = np.maximum(value, top)

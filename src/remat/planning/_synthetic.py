@@ -34,11 +34,14 @@ def synthetic_profile(n_blocks: int, *, seed: int = 0, resting: int = 10**8) -> 
             # Backward: recomputation rebuilds what was not kept; everything is freed at the end.
             segments[p][("bwd", name, 0)] = SegmentCost(grads - kept, saved["keep"] - saved[p] + 2**21, 2 * fwd_s)
         fwd_order.append(("fwd", name, 0))
-        blocks.append(BlockProfile(name, out_bytes, out_bytes, saved, fwd_s, 2 * fwd_s, extra, 10**9,
-                                   {p: 2 * 10**9 for p in _POLICIES}))
+        blocks.append(
+            BlockProfile(
+                name, out_bytes, out_bytes, saved, fwd_s, 2 * fwd_s, extra, 10**9, {p: 2 * 10**9 for p in _POLICIES}
+            )
+        )
     for p in _POLICIES:
         segments[p][("fwd", None, 1)] = SegmentCost(4 * 2**20, 8 * 2**20, 0.002)
-        segments[p][("bwd", None, 0)] = SegmentCost(-2**20, 4 * 2**20, 0.004)
+        segments[p][("bwd", None, 0)] = SegmentCost(-(2**20), 4 * 2**20, 0.004)
     fwd_order.append(("fwd", None, 1))
     bwd_order.extend(("bwd", name, 0) for name in reversed(names))
     return Profile(

@@ -56,7 +56,8 @@ from remat.errors import OutOfMemory as TheStepRanOut
 from remat.errors import RematError
 from remat.planning._compiled import chain_profile, design, fit, is_chain
 from remat.planning._put import put, remove
-from remat.planning.plan import Plan, parse_budget, plan as make_plan
+from remat.planning.plan import Plan, parse_budget
+from remat.planning.plan import plan as make_plan
 from remat.profiling._format import human_bytes
 
 __all__ = ["Findings", "OutOfMemory", "Unreachable", "out_of_memory_reason", "verified_plan"]
@@ -100,8 +101,9 @@ class Findings:
     """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
 
 
-def _measured(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None,
-              loop: Loop = NO_LOOP) -> tuple[int, Fingerprint | None]:
+def _measured(
+    model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None, loop: Loop = NO_LOOP
+) -> tuple[int, Fingerprint | None]:
     """(peak, summary of what the step computed) of one real step of ``loop`` with ``plan`` applied, in the
     plan's mode (compiled with ``backend`` if given, then without a summary); model and optimizer restored.
     A step that runs out of device memory raises :class:`OutOfMemory` (NOTE [Out of memory is an answer])."""
@@ -125,14 +127,17 @@ def out_of_memory_reason(exc: BaseException) -> str:
     return said.splitlines()[0] if said else "no message"
 
 
-def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None,
-          loop: Loop) -> tuple[int, Fingerprint | None]:
+def _step(
+    model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None, loop: Loop
+) -> tuple[int, Fingerprint | None]:
     put(model, plan)
     # NOTE [Snapshots a step without an optimizer needs]
     state = capture(model, "remat.auto", parameters=loop.optimizer is not None)
     optimizer_state = OptimizerSnapshot(loop.optimizer, "remat.auto")
-    with restoring("remat.auto", state.restore, optimizer_state.restore), \
-            model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed):
+    with (
+        restoring("remat.auto", state.restore, optimizer_state.restore),
+        model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed),
+    ):
         if plan.training is not None:
             model.train(plan.training)
         if backend is not None:
@@ -164,8 +169,17 @@ class _Candidates:
     level deep from then on (the one-level plan for the same budget), and says so in the notes.
     """
 
-    def __init__(self, model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str | None,
-                 findings: Findings, loop: Loop, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        loss_fn: Any,
+        prof: Any,
+        backend: str | None,
+        findings: Findings,
+        loop: Loop,
+        limit: int | None = None,
+    ) -> None:
         self.model, self.inputs, self.loss_fn, self.prof, self.backend = model, inputs, loss_fn, prof, backend
         self.loop = loop
         self.findings = findings
@@ -207,13 +221,17 @@ class _Candidates:
             if not plan.segments:
                 raise
             reason = str(err) if isinstance(err, NotAChain) else f"a step with them failed: {err}"
-            return self._one_level(plan, f"Nested segments do not run on this model ({reason}); planned one level "
-                                         "deep.")
+            return self._one_level(
+                plan, f"Nested segments do not run on this model ({reason}); planned one level deep."
+            )
         differ = self._differences(plan, summary)
         if differ and plan.segments:
-            return self._one_level(plan, f"Nested segments {_spans(plan)} changed the step's {_what(differ)} "
-                                         "(the parent does more between the blocks than pass each output on): "
-                                         "planned one level deep.")
+            return self._one_level(
+                plan,
+                f"Nested segments {_spans(plan)} changed the step's {_what(differ)} "
+                "(the parent does more between the blocks than pass each output on): "
+                "planned one level deep.",
+            )
         if differ:
             blocks = _blocks_of(differ, [b.name for b in self.prof.blocks])
             remove(self.model)
@@ -250,7 +268,8 @@ class _Candidates:
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({_policies(keep)})"
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
-                f"the budget: verified plans were compared with {self.findings.compared_with} instead.")
+                f"the budget: verified plans were compared with {self.findings.compared_with} instead."
+            )
         self.reference_plan = keep
         measured, reference = _measured(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
         self.tried.append((keep, measured))
@@ -288,8 +307,9 @@ def _what(differ: list[str]) -> str:
     return " and ".join(dict.fromkeys(k.replace("grads", "gradients") for k in kinds))
 
 
-def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str,
-                      loop: Loop) -> tuple[Any, int, str]:
+def _compiled_profile(
+    model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, backend: str, loop: Loop
+) -> tuple[Any, int, str]:
     """(the profile to plan the compiled step with, its compiled peak without checkpointing, a note).
 
     A chain of blocks gets the fitted compiled chain (NOTE [Predicting compiled peaks]); any other model
@@ -312,8 +332,16 @@ def _compiled_profile(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, ba
     return chained, baseline, chained.notes[-1]
 
 
-def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
-                  loop: Loop, findings: Findings) -> Plan:
+def verified_plan(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    prof: Any,
+    budget: Any,
+    backend: str | None,
+    loop: Loop,
+    findings: Findings,
+) -> Plan:
     """The plan auto applies: measured within ``budget`` in a real step (NOTE [Verify when it can])."""
     # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
     baseline = prof.baseline_peak_bytes
@@ -322,8 +350,11 @@ def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
     if backend is not None:
         eager_baseline = baseline
         planned, baseline, note = _compiled_profile(model, inputs, loss_fn, prof, backend, loop)
-        notes += [f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
-                  f"{baseline / eager_baseline:.2f} of the eager peak.", note]
+        notes += [
+            f"Compiled ({backend}) without checkpointing: {human_bytes(baseline)} measured, "
+            f"{baseline / eager_baseline:.2f} of the eager peak.",
+            note,
+        ]
         scale = 1.0 if planned is not prof else eager_baseline / baseline
         prof = planned
         findings.nested = False  # nested regions are not modelled (nor tested) under compile
@@ -333,8 +364,13 @@ def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
 
     def accept(plan: Plan, measured: int) -> Plan:
         put(model, plan)  # the last step measured may have been another plan's (the reference, a cached one)
-        return replace(plan, budget_bytes=limit, measured_peak_bytes=measured,
-                       notes=tuple(notes + findings.notes), execution=execution)
+        return replace(
+            plan,
+            budget_bytes=limit,
+            measured_peak_bytes=measured,
+            notes=tuple(notes + findings.notes),
+            execution=execution,
+        )
 
     if backend is None and baseline > limit:
         _reference_first(candidates, limit)  # NOTE [The step verified plans are compared with]
@@ -350,8 +386,10 @@ def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
         predicted = int(candidate.predicted_peak_bytes / scale)
         if measured is None:  # NOTE [Out of memory is an answer]
             target = min(target, (int(candidates.floor() / scale) + predicted) // 2)
-            notes.append(f"A plan predicted at {human_bytes(predicted)} ran out of device memory in its step: "
-                         f"re-planned for {human_bytes(target)}.")
+            notes.append(
+                f"A plan predicted at {human_bytes(predicted)} ran out of device memory in its step: "
+                f"re-planned for {human_bytes(target)}."
+            )
         else:
             margin = max(margin, measured - predicted)
             target = limit - margin
@@ -370,8 +408,9 @@ def verified_plan(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
     if measured is None:
         found = f"ran out of device memory in a real step (predicted {human_bytes(predicted)})"
     else:
-        found = (f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted "
-                 f"{human_bytes(predicted)})")
+        found = (
+            f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted {human_bytes(predicted)})"
+        )
     raise _unreachable(limit, prof, execution, found, predicted if measured is None else measured, baseline)
 
 
@@ -381,8 +420,14 @@ def _reference_first(candidates: _Candidates, limit: int) -> None:
     prof, floor = candidates.prof, candidates.floor()
     if floor > limit:  # no step runs: each would be over the budget
         remove(candidates.model)
-        raise _unreachable(limit, prof, "eager", f"is predicted at {human_bytes(floor)} ({floor} bytes): the budget "
-                           "is below the lowest peak any plan reaches, so no step was run", floor)
+        raise _unreachable(
+            limit,
+            prof,
+            "eager",
+            f"is predicted at {human_bytes(floor)} ({floor} bytes): the budget "
+            "is below the lowest peak any plan reaches, so no step was run",
+            floor,
+        )
     try:
         candidates.reference(candidates.plan(floor))
     except OutOfMemory:
@@ -390,14 +435,21 @@ def _reference_first(candidates: _Candidates, limit: int) -> None:
         if candidates.reference_plan is None:
             raise RuntimeError("reference() sets its plan before it runs a step") from None
         predicted = candidates.reference_plan.predicted_peak_bytes
-        raise _unreachable(limit, prof, "eager", (
-            f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
-            f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)})"),
-            predicted) from None
+        raise _unreachable(
+            limit,
+            prof,
+            "eager",
+            (
+                f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
+                f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)})"
+            ),
+            predicted,
+        ) from None
 
 
-def _unreachable(limit: int, prof: Any, execution: str, found: str, fix: int,
-                 baseline: int | None = None) -> Unreachable:
+def _unreachable(
+    limit: int, prof: Any, execution: str, found: str, fix: int, baseline: int | None = None
+) -> Unreachable:
     baseline = prof.baseline_peak_bytes if baseline is None else baseline
     return Unreachable(
         f"remat.auto: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the "

@@ -28,7 +28,8 @@ from remat.errors import RematError
 from remat.planning._put import put, remove
 from remat.planning._verify import Findings, Unreachable, out_of_memory_reason, verified_plan
 from remat.planning.plan import _ACCEPTED as ACCEPTED_BUDGETS
-from remat.planning.plan import Plan, parse_budget, plan as make_plan
+from remat.planning.plan import Plan, parse_budget
+from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._format import human_bytes
 from remat.profiling.profile import profile as make_profile
@@ -64,15 +65,23 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     require_module(model, "remat.apply")
     if not isinstance(plan, Plan):
-        raise RematError(f"remat.apply: expected a remat.Plan, got {type(plan).__name__}; make one with remat.plan(...).")
+        raise RematError(
+            f"remat.apply: expected a remat.Plan, got {type(plan).__name__}; make one with remat.plan(...)."
+        )
     put(eager_module(model), plan)
     _warn_mode(model, plan)
     return model
 
 
 def auto(
-    model: nn.Module, inputs: Any, budget: Any, *, loss_fn: Any = None, verify: bool = True,
-    compiled: bool | str = False, **profile_options: Any
+    model: nn.Module,
+    inputs: Any,
+    budget: Any,
+    *,
+    loss_fn: Any = None,
+    verify: bool = True,
+    compiled: bool | str = False,
+    **profile_options: Any,
 ) -> Plan:
     """Profile, plan for ``budget`` and apply, in one call. Returns the plan applied.
 
@@ -118,8 +127,9 @@ def auto(
     budget = _budget_of_device(model, inputs) if budget is None else budget
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     backend = _compile_backend(compiled, verify, profile_options)
-    loop = make_loop(model, profile_options.get("optimizer"), profile_options.get("accumulation_steps", 1),
-                     "remat.auto")
+    loop = make_loop(
+        model, profile_options.get("optimizer"), profile_options.get("accumulation_steps", 1), "remat.auto"
+    )
     check_no_double_checkpointing(model, find_blocks(model, profile_options.get("blocks")), api="remat.auto")
     remove(model)
     disable_cache(model)
@@ -136,8 +146,10 @@ def auto(
             finer = {**profile_options, "policies": (*prof.policies, FINE)}
             prof = _profile_within(model, inputs, loss_fn, budget, verify and backend is None, finer)
             chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings)
-            note = (f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
-                    f"{FINE} (each block's sub-layers checkpointed inside its recomputation).")
+            note = (
+                f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
+                f"{FINE} (each block's sub-layers checkpointed inside its recomputation)."
+            )
             chosen = replace(chosen, notes=(*chosen.notes, note))
     except BaseException:  # an interrupt too: nothing of the plan stays on the model
         remove(model)
@@ -156,8 +168,17 @@ def auto(
 # ``full-fine`` and plans again.
 
 
-def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget: Any, backend: str | None,
-                  verify: bool, loop: Loop, findings: Findings) -> Plan:
+def _plan_and_put(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    prof: Any,
+    budget: Any,
+    backend: str | None,
+    verify: bool,
+    loop: Loop,
+    findings: Findings,
+) -> Plan:
     if verify:
         return verified_plan(model, inputs, loss_fn, prof, budget, backend, loop, findings)
     try:
@@ -188,8 +209,7 @@ def _plan_and_put(model: nn.Module, inputs: Any, loss_fn: Any, prof: Any, budget
 # A model fake tensors cannot run is profiled for real, as before, and the log says so.
 # Compiled verification (``compiled=``) measures the compiled step without checkpointing
 # first and is left as it was.
-def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool,
-                    profile_options: dict) -> Any:
+def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool, profile_options: dict) -> Any:
     """The profile auto plans on (NOTE [Within the budget]); ``fit``: real steps may follow it."""
     if not fit:
         return make_profile(model, inputs, loss_fn, **profile_options)
@@ -208,8 +228,10 @@ def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fi
         empty_device_cache()
         log.warning("remat.auto: the real profile ran out of device memory (%s): planned on fake tensors.", reason)
         return fake
-    log.info("remat.auto: the step without checkpointing (%s) is over the budget: planned on fake tensors.",
-             human_bytes(fake.baseline_peak_bytes))
+    log.info(
+        "remat.auto: the step without checkpointing (%s) is over the budget: planned on fake tensors.",
+        human_bytes(fake.baseline_peak_bytes),
+    )
     return fake
 
 

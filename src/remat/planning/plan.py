@@ -10,8 +10,8 @@ from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 from remat.errors import RematError
-from remat.planning._plan_checks import check_plan_fields
 from remat.planning._nested_plan import nested_floor, plan_nested
+from remat.planning._plan_checks import check_plan_fields
 from remat.planning._solve import cast_credits, chain_of, relax, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
@@ -19,11 +19,27 @@ from remat.profiling._types import Profile
 __all__ = ["Plan", "parse_budget", "plan"]
 
 PLAN_SCHEMA = 3
-_PLAN_SCHEMAS_READ = (1, 2, 3)  # 1: before training, measured_peak_bytes and notes; 2: before parameters, execution and segments
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_ACCEPTED = ("a fraction 0 < f <= 1 of the peak without checkpointing (0.5, '0.5', '50%'), bytes with a unit "
-             "('6GiB', '500MB', '4096B'), or whole bytes of at least 1024 without one (6000000000)")
+_PLAN_SCHEMAS_READ = (
+    1,
+    2,
+    3,
+)  # 1: before training, measured_peak_bytes and notes; 2: before parameters, execution and segments
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_ACCEPTED = (
+    "a fraction 0 < f <= 1 of the peak without checkpointing (0.5, '0.5', '50%'), bytes with a unit "
+    "('6GiB', '500MB', '4096B'), or whole bytes of at least 1024 without one (6000000000)"
+)
 _BUDGET_TEXT = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*(%|[a-zA-Z]*)\s*", re.IGNORECASE)
 
 
@@ -80,8 +96,10 @@ class Plan:
 
     def summary(self) -> str:
         """One paragraph a user can read."""
-        counts = {p: sum(1 for v in self.assignment.values() if v == p)
-                  for p in ("keep", "selective", "selective-ops", "full", "full-fine")}
+        counts = {
+            p: sum(1 for v in self.assignment.values() if v == p)
+            for p in ("keep", "selective", "selective-ops", "full", "full-fine")
+        }
         budget = f" for a budget of {human_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
         saved = 1 - self.predicted_peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else 0.0
         text = (
@@ -97,14 +115,18 @@ class Plan:
             verdict = "within the budget" if self.verified else "OVER the budget"
             text += f" Measured peak of one real step: {human_bytes(self.measured_peak_bytes)} ({verdict})."
         elif self.budget_bytes is not None and self.predicted_peak_bytes > self.budget_bytes:
-            text += (f" Predicted OVER the budget by {human_bytes(self.predicted_peak_bytes - self.budget_bytes)}: "
-                     f"the {self.strategy} strategy does not look at the budget; the optimal one fits it.")
+            text += (
+                f" Predicted OVER the budget by {human_bytes(self.predicted_peak_bytes - self.budget_bytes)}: "
+                f"the {self.strategy} strategy does not look at the budget; the optimal one fits it."
+            )
         if self.loop:
             text += f" Peaks include {self.loop}."
         text += "".join(f" {note}" for note in self.notes)
         if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
-            text += (" No plan lowers this model's peak by more than 1%: the peak is set where "
-                     "recomputation rebuilds the same tensors (typically inside the first block's backward).")
+            text += (
+                " No plan lowers this model's peak by more than 1%: the peak is set where "
+                "recomputation rebuilds the same tensors (typically inside the first block's backward)."
+            )
         return text
 
     def to_json(self) -> str:
@@ -182,8 +204,9 @@ def parse_budget(budget: Any, baseline_bytes: int) -> int:
     if number >= _MIN_UNITLESS_BYTES and number == int(number):
         return int(number)
     raise _budget_error(
-        budget, f"is ambiguous: a unitless number above 1 is bytes only when whole and at least "
-        f"{_MIN_UNITLESS_BYTES} (is {number:g} a fraction or bytes?); say which with a unit, e.g. '{number:g}GiB'"
+        budget,
+        f"is ambiguous: a unitless number above 1 is bytes only when whole and at least "
+        f"{_MIN_UNITLESS_BYTES} (is {number:g} a fraction or bytes?); say which with a unit, e.g. '{number:g}GiB'",
     )
 
 
@@ -255,7 +278,7 @@ def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
         best = None
         for b in profile.blocks:
             now = assignment.get(b.name, "keep")
-            for p in order[order.index(now) + 1:]:
+            for p in order[order.index(now) + 1 :]:
                 if p not in profile.policies:
                     continue
                 trial = {**assignment, b.name: p}
@@ -282,8 +305,9 @@ def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
     names = [b.name for b in profile.blocks]
     candidates: list[dict[str, str]] = [{}]
-    candidates += [{n: p for n in names} for p in ("selective", "selective-ops", "full", "full-fine")
-                   if p in profile.policies]
+    candidates += [
+        {n: p for n in names} for p in ("selective", "selective-ops", "full", "full-fine") if p in profile.policies
+    ]
     if chain is not None:
         lowest = solve(chain, math.inf, minimise_peak=True)
         if lowest is None:
@@ -342,8 +366,13 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
     one_level, lowest = _minimum(profile)
     minimum = _lowest_peak(profile, one_level) if nested else one_level
     if strategy != "optimal":
-        return _make(profile, _strategy(profile, strategy), strategy,
-                     None if budget is None else parse_budget(budget, profile.baseline_peak_bytes), minimum)
+        return _make(
+            profile,
+            _strategy(profile, strategy),
+            strategy,
+            None if budget is None else parse_budget(budget, profile.baseline_peak_bytes),
+            minimum,
+        )
     if budget is None:
         raise RematError("remat.plan: the optimal strategy needs a budget; give " + _ACCEPTED + ".")
     baseline = profile.baseline_peak_bytes
@@ -358,9 +387,14 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
             f"below the lowest peak any plan reaches on this profile: {human_bytes(minimum)} ({minimum} bytes, "
             f"{minimum / baseline:.3f} of the baseline {human_bytes(baseline)}). Raise the budget to at least "
             "that, or lower the batch size / sequence length"
-            + ("" if "full-fine" in profile.policies else ", or profile with policies=(..., 'full-fine') (each "
-               "block's sub-layers checkpointed inside its recomputation: a lower floor; remat.auto does so itself)")
-            + "." + profile.held_by_loop()
+            + (
+                ""
+                if "full-fine" in profile.policies
+                else ", or profile with policies=(..., 'full-fine') (each "
+                "block's sub-layers checkpointed inside its recomputation: a lower floor; remat.auto does so itself)"
+            )
+            + "."
+            + profile.held_by_loop()
         )
     chain = chain_of(profile)
     if chain is not None:

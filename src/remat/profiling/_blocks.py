@@ -66,7 +66,7 @@ def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     names = [n for n, _, _ in children]
     if isinstance(module, nn.Sequential):  # a chain: the layers between its units are units too
         first, last = min(names.index(n) for n in picked), max(names.index(n) for n in picked)
-        picked |= set(names[first:last + 1])
+        picked |= set(names[first : last + 1])
     return [(n, c) for n, c, _ in children if n in picked]
 
 
@@ -109,8 +109,9 @@ def _holds_all_parameters(block: nn.Module, inner: list[nn.Module]) -> bool:
     layer of a mixture of experts holds a list of expert MLPs that its router calls per token; refining into
     those would leave the attention outside every block."""
     held = {id(p) for module in inner for p in module.parameters()}
-    return bool(inner) and all(id(p) in held for child in block.children() if not _is_leaf(child)
-                               for p in child.parameters())
+    return bool(inner) and all(
+        id(p) in held for child in block.children() if not _is_leaf(child) for p in child.parameters()
+    )
 
 
 def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> list[str]:
@@ -161,8 +162,10 @@ def check_disjoint(names: list[str], *, api: str) -> None:
 
 
 #: torch layers that run one op: their own backward keeps what checkpointing them would keep.
-_SINGLE_OP_LAYERS = tuple(f"torch.nn.modules.{m}" for m in (
-    "linear", "conv", "activation", "dropout", "normalization", "batchnorm", "sparse", "flatten", "pooling"))
+_SINGLE_OP_LAYERS = tuple(
+    f"torch.nn.modules.{m}"
+    for m in ("linear", "conv", "activation", "dropout", "normalization", "batchnorm", "sparse", "flatten", "pooling")
+)
 
 
 def check_block_modules(model: nn.Module, names: Iterable[str], *, api: str) -> None:
@@ -196,8 +199,12 @@ def suggest_blocks(model: nn.Module) -> str:
     lone = _lone_layers(model)
     if lone:
         name, layer = lone[0]
-        return (f"; {name!r} ({type(layer).__name__}) is the only layer in its list, the shape of a layer "
-                f"shared across depth (ALBERT): blocks=[{name!r}] checkpoints it, each call recomputed in backward")
-    sizes = sorted(((sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules()
-                    if n and not _is_leaf(m)), reverse=True)
+        return (
+            f"; {name!r} ({type(layer).__name__}) is the only layer in its list, the shape of a layer "
+            f"shared across depth (ALBERT): blocks=[{name!r}] checkpoints it, each call recomputed in backward"
+        )
+    sizes = sorted(
+        ((sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules() if n and not _is_leaf(m)),
+        reverse=True,
+    )
     return f", e.g. {[n for _, n in sizes[:3]]}" if sizes else ""

@@ -73,17 +73,24 @@ class Crossing:
     """Per policy: most live bytes above that segment's start, after the free, in that run."""
 
     def to_json(self) -> dict:
-        return {"nbytes": self.nbytes, "producer": None if self.producer is None else list(self.producer),
-                "receivers": [list(k) for k in self.receivers],
-                "freed": {p: None if k is None else list(k) for p, k in self.freed.items()}, "after": self.after}
+        return {
+            "nbytes": self.nbytes,
+            "producer": None if self.producer is None else list(self.producer),
+            "receivers": [list(k) for k in self.receivers],
+            "freed": {p: None if k is None else list(k) for p, k in self.freed.items()},
+            "after": self.after,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> Crossing:
         producer = data.get("producer")
-        return cls(int(data["nbytes"]), None if producer is None else tuple(producer),
-                   tuple(tuple(k) for k in data["receivers"]),
-                   {p: None if k is None else tuple(k) for p, k in data["freed"].items()},
-                   {p: int(v) for p, v in data["after"].items()})
+        return cls(
+            int(data["nbytes"]),
+            None if producer is None else tuple(producer),
+            tuple(tuple(k) for k in data["receivers"]),
+            {p: None if k is None else tuple(k) for p, k in data["freed"].items()},
+            {p: int(v) for p, v in data["after"].items()},
+        )
 
 
 _NEVER = 1 << 62  # freed after the step (outlived it): later than any segment
@@ -130,8 +137,15 @@ class Recompute:
     policy q, when the block's policy is m instead (swap[q][m]); empty where not known (NOTE below)."""
 
     def to_json(self) -> dict:
-        return {"block": self.block, "index": self.index, "at": {p: list(k) for p, k in self.at.items()},
-                "delta": self.delta, "excess": self.excess, "freed_after": self.freed_after, "swap": self.swap}
+        return {
+            "block": self.block,
+            "index": self.index,
+            "at": {p: list(k) for p, k in self.at.items()},
+            "delta": self.delta,
+            "excess": self.excess,
+            "freed_after": self.freed_after,
+            "swap": self.swap,
+        }
 
     def kept(self, policy: str) -> int:
         """What it adds to the live bytes at the end of its hosting segment under ``policy`` (0: not run)."""
@@ -139,10 +153,15 @@ class Recompute:
 
     @classmethod
     def from_json(cls, data: dict) -> Recompute:
-        return cls(data["block"], int(data["index"]), {p: tuple(k) for p, k in data["at"].items()},
-                   {p: int(v) for p, v in data["delta"].items()}, {p: int(v) for p, v in data["excess"].items()},
-                   {p: int(v) for p, v in data.get("freed_after", {}).items()},
-                   {q: {m: int(v) for m, v in row.items()} for q, row in data.get("swap", {}).items()})
+        return cls(
+            data["block"],
+            int(data["index"]),
+            {p: tuple(k) for p, k in data["at"].items()},
+            {p: int(v) for p, v in data["delta"].items()},
+            {p: int(v) for p, v in data["excess"].items()},
+            {p: int(v) for p, v in data.get("freed_after", {}).items()},
+            {q: {m: int(v) for m, v in row.items()} for q, row in data.get("swap", {}).items()},
+        )
 
 
 # NOTE [Where a recomputation runs]
@@ -173,8 +192,9 @@ def _replayed(points: Trajectory, removed: tuple | None, inserted: tuple | None)
         def back(i: int) -> int:  # what the segment freed again of what it rebuilt, up to point i
             return sum(nb for at, _, nb in frees if at <= i) - delta
 
-        points = points[:start] + [(n, live + back(i), top + back(i))
-                                   for i, (n, live, top) in enumerate(points) if i >= end]
+        points = points[:start] + [
+            (n, live + back(i), top + back(i)) for i, (n, live, top) in enumerate(points) if i >= end
+        ]
     top = max((t for _, _, t in points), default=0)
     if inserted is None:
         return max(top, 0)
@@ -190,7 +210,10 @@ def _replayed(points: Trajectory, removed: tuple | None, inserted: tuple | None)
 
 
 def swap_excesses(
-    block: str, runs: Mapping[str, Mapping], trajectories: Mapping[str, Mapping[Key, Trajectory]], crowded: set,
+    block: str,
+    runs: Mapping[str, Mapping],
+    trajectories: Mapping[str, Mapping[Key, Trajectory]],
+    crowded: set,
 ) -> dict[str, dict[str, int]]:
     """swap[q][m] for one recomputation (NOTE [Where a recomputation runs]); ``runs``: per policy that ran it,
     its record (segment, delta, excess, allocs, span); ``crowded``: segments hosting several such blocks."""
@@ -266,8 +289,9 @@ def corrections(
     return {i: (d, e, x, base) for i, (d, e, x, *rest) in out.items() for base in [rest[0] if rest else None]}
 
 
-def _swapped(r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequence[tuple[Key, str]],
-             out: dict[int, list]) -> bool:
+def _swapped(
+    r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequence[tuple[Key, str]], out: dict[int, list]
+) -> bool:
     """Apply ``r``'s swap table to its hosting segment; False where the walk has no such segment."""
     (host,) = {key for key in r.at.values() if key[1] != r.block}
     i = position.get(host)

@@ -29,34 +29,129 @@ from typing import Any
 import torch
 
 _LOWER = (
-    "_convolution", "convolution", "addmv", "addr", "einsum", "mv", "chain_matmul", "linalg_multi_dot",
-    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_convolution",
+    "convolution",
+    "addmv",
+    "addr",
+    "einsum",
+    "mv",
+    "chain_matmul",
+    "linalg_multi_dot",
+    "_thnn_fused_lstm_cell",
+    "_thnn_fused_gru_cell",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
     "_scaled_dot_product_flash_attention",
 )
 """CUDA's lower-precision ops that CPU's list lacks (the shared ones keep CPU's kernel)."""
 _LOWER_SHARED = (
-    "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
-    "conv_transpose2d.input", "conv_transpose3d.input", "prelu", "addmm", "matmul", "mm", "linalg_vecdot", "linear",
-    "addbmm", "baddbmm", "bmm", "scaled_dot_product_attention",
+    "_convolution.deprecated",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_tbc",
+    "conv_transpose1d",
+    "conv_transpose2d.input",
+    "conv_transpose3d.input",
+    "prelu",
+    "addmm",
+    "matmul",
+    "mm",
+    "linalg_vecdot",
+    "linear",
+    "addbmm",
+    "baddbmm",
+    "bmm",
+    "scaled_dot_product_attention",
 )
 _FP32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
-    "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
-    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
-    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-    "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
-    "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
-    "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "pow.Scalar",
+    "softplus",
+    "layer_norm",
+    "native_layer_norm",
+    "group_norm",
+    "frobenius_norm.dim",
+    "nuclear_norm",
+    "nuclear_norm.dim",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "upsample_nearest1d",
+    "_upsample_nearest_exact1d",
+    "upsample_nearest2d",
+    "_upsample_nearest_exact2d",
+    "upsample_nearest3d",
+    "_upsample_nearest_exact3d",
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d",
+    "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa",
 )
 _FP32_SET_OPT_DTYPE = (
-    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
-    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+    "prod",
+    "prod.dim_int",
+    "softmax.int",
+    "log_softmax.int",
+    "cumprod",
+    "cumsum",
+    "linalg_vector_norm",
+    "linalg_matrix_norm",
+    "linalg_matrix_norm.str_ord",
+    "sum",
+    "sum.dim_IntList",
 )
-_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
-            "tensordot", "scatter_add")
+_PROMOTE = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "vdot",
+    "grid_sampler",
+    "index_put",
+    "tensordot",
+    "scatter_add",
+)
 
 _KEY = "AutocastCPU"
 
@@ -102,7 +197,7 @@ def _kernel(op: Any, policy: str) -> Any:
         if policy == "fp32_set_opt_dtype":
             if args and _eligible(args[0]):
                 if len(args) > position and args[position] is None:
-                    args = (*args[:position], torch.float32, *args[position + 1:])
+                    args = (*args[:position], torch.float32, *args[position + 1 :])
                 elif len(args) <= position and kwargs.get("dtype") is None:
                     kwargs = {**kwargs, "dtype": torch.float32}
             return _below_autocast(op, args, kwargs)
@@ -144,10 +239,15 @@ def aten_overrides(entries: list[tuple[str, Any, str]]) -> Iterator[None]:
 
 def cuda_autocast_lists() -> contextlib.AbstractContextManager:
     """CPU autocast with CUDA's cast policies (NOTE [CUDA autocast on fake CPU tensors])."""
-    policies = {**{n: "lower" for n in _LOWER}, **{n: "fp32" for n in _FP32},
-                **{n: "fp32_set_opt_dtype" for n in _FP32_SET_OPT_DTYPE}, **{n: "promote" for n in _PROMOTE}}
-    entries = [(name, _kernel(op, policy), _KEY) for name, policy in policies.items()
-               if (op := _overload(name)) is not None]
+    policies = {
+        **{n: "lower" for n in _LOWER},
+        **{n: "fp32" for n in _FP32},
+        **{n: "fp32_set_opt_dtype" for n in _FP32_SET_OPT_DTYPE},
+        **{n: "promote" for n in _PROMOTE},
+    }
+    entries = [
+        (name, _kernel(op, policy), _KEY) for name, policy in policies.items() if (op := _overload(name)) is not None
+    ]
     keep = {f"aten::{n}" for n in _LOWER_SHARED}
     for qualified in torch._C._dispatch_get_registrations_for_dispatch_key(_KEY):
         name = qualified.removeprefix("aten::")

@@ -72,29 +72,46 @@ def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: boo
 
 
 def choose_backend(
-    rules: SdpaRules, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-    dropout_p: float, is_causal: bool, enable_gqa: bool,
+    rules: SdpaRules,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
 ) -> str:
     """``cudnn``, ``flash``, ``efficient`` or ``math``: what ``select_sdp_backend`` returns on the target."""
     low = q.dtype in _LOW and rules.sm_major >= 8
     dq, dk, dv = q.size(-1), k.size(-1), v.size(-1)
 
     def cudnn() -> bool:
-        return (_CUDNN_OK and low and _dense_ok(q, k, v, enable_gqa, True)
-                and max(dq, dv) <= rules.cudnn_max_head_dim and dq % 8 == 0 and dv % 8 == 0
-                and k.size(-2) != 1 and not (dropout_p > 0 and q.size(-2) == 1))
+        return (
+            _CUDNN_OK
+            and low
+            and _dense_ok(q, k, v, enable_gqa, True)
+            and max(dq, dv) <= rules.cudnn_max_head_dim
+            and dq % 8 == 0
+            and dv % 8 == 0
+            and k.size(-2) != 1
+            and not (dropout_p > 0 and q.size(-2) == 1)
+        )
 
     def flash() -> bool:
-        return (low and mask is None and dq == dk == dv <= 256 and _dense_ok(q, k, v, enable_gqa, True)
-                and not (is_causal and q.size(-2) != k.size(-2)))
+        return (
+            low
+            and mask is None
+            and dq == dk == dv <= 256
+            and _dense_ok(q, k, v, enable_gqa, True)
+            and not (is_causal and q.size(-2) != k.size(-2))
+        )
 
     def efficient() -> bool:
         if q.dtype not in (torch.float32, *_LOW) or (q.dtype == torch.bfloat16 and rules.sm_major < 8):
             return False
         # minimum_gemm_alignment: 4 on sm80+, raised to 128 bits' worth with tensor cores
         align = max(4 if rules.sm_major >= 8 else 1, 8 if q.dtype in _LOW else 4)
-        return (dq == dk and dq % align == 0 and dv % align == 0
-                and _dense_ok(q, k, v, enable_gqa, rules.efficient_gqa))
+        return dq == dk and dq % align == 0 and dv % align == 0 and _dense_ok(q, k, v, enable_gqa, rules.efficient_gqa)
 
     order = ("cudnn", "flash", "efficient") if rules.prefer_cudnn else ("flash", "efficient")
     checks = {"cudnn": cudnn, "flash": flash, "efficient": efficient}
@@ -110,8 +127,16 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.where(mask, zero, ninf)
 
 
-def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-          is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+def _math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
     """``_scaled_dot_product_attention_math`` as it runs on real CUDA tensors."""
     root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
     q = q * root
@@ -141,9 +166,17 @@ def _efficient_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tor
     return mask
 
 
-def cuda_sdpa(rules: SdpaRules, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-              scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+def cuda_sdpa(
+    rules: SdpaRules,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` with the backend and saved tensors CUDA would use."""
     backend = choose_backend(rules, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
     if backend == "math":
@@ -151,12 +184,10 @@ def cuda_sdpa(rules: SdpaRules, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     mask = _additive(attn_mask, q.dtype)
     if backend == "cudnn":
-        return aten._scaled_dot_product_cudnn_attention(q, k, v, mask, lse, dropout_p, is_causal, False,
-                                                        scale=scale)[0]
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, mask, lse, dropout_p, is_causal, False, scale=scale)[0]
     if backend == "efficient":
         mask = _efficient_mask(mask, q, k) if mask is not None else None
-        return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, dropout_p, is_causal,
-                                                            scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, dropout_p, is_causal, scale=scale)[0]
     size = q.size(-1)  # flash pads the head size to a multiple of 8 and slices the output back
     scale = scale if scale is not None else 1.0 / math.sqrt(size)
     if size % 8:
@@ -177,9 +208,16 @@ def cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 def cuda_kernels(rules: SdpaRules) -> contextlib.AbstractContextManager:
     """SDPA and dropout as a CUDA target runs them (NOTE [Fake tensors take the target's kernels])."""
 
-    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False) -> torch.Tensor:
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         return cuda_sdpa(rules, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     key = "CompositeImplicitAutograd"

@@ -90,8 +90,9 @@ class _FakeWeights:
                     self.saved.append((store, name, t))
                     if id(t) not in twins:
                         fake = _fake_like(self.mode, t)
-                        twins[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(
-                            t, nn.Parameter) else fake
+                        twins[id(t)] = (
+                            nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                        )
                     store[name] = twins[id(t)]
         if self.optimizer is not None:
             self.groups = [(group, group["params"]) for group in self.optimizer.param_groups]
@@ -127,8 +128,16 @@ _Traced = tuple[dict[str, list[Segment]], dict[str, tuple[int, int]], Inputs, di
 and (bytes the loop keeps alive, of which the optimizer's state)."""
 
 
-def _trace(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, names: Sequence[str], policies: Sequence[str],
-           target: Target, gpu_path: bool, loop: Loop) -> _Traced:
+def _trace(
+    model: nn.Module,
+    inputs: Inputs,
+    loss_fn: LossFn | None,
+    names: Sequence[str],
+    policies: Sequence[str],
+    target: Target,
+    gpu_path: bool,
+    loop: Loop,
+) -> _Traced:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows()
 
@@ -152,8 +161,13 @@ def _trace(model: nn.Module, inputs: Inputs, loss_fn: LossFn | None, names: Sequ
     traced: dict[str, list[Segment]] = {}
     io_bytes: dict[str, tuple[int, int]] = {}
     ledgers: dict[str, Ledger] = {}
-    with restoring("remat.profile", switch.restore), _FakeWeights(model, mode, loop.optimizer), \
-            cache_disabled(model), _target_kernels(target, gpu_path), young_collections():
+    with (
+        restoring("remat.profile", switch.restore),
+        _FakeWeights(model, mode, loop.optimizer),
+        cache_disabled(model),
+        _target_kernels(target, gpu_path),
+        young_collections(),
+    ):
         for policy, run_as, learn in trace_schedule(policies):
             switch.set(run_as)
             with mode, shadows:
@@ -193,21 +207,42 @@ def run_fake_profile(
         try:
             try:
                 traced, io_bytes, fake_inputs, ledgers, kept = _trace(
-                    model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop)
+                    model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop
+                )
             except DataDependentOutputException:
                 # A value the shadows do not know (computed from weights, say): the library's own
                 # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
                 traced, io_bytes, fake_inputs, ledgers, kept = _trace(
-                    model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop)
-                notes.append("fake run: the model's forward reads tensor values, so transformers took its tracing "
-                             "path (explicit masks, repeated K/V heads), which a GPU step does not take.")
+                    model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop
+                )
+                notes.append(
+                    "fake run: the model's forward reads tensor values, so transformers took its tracing "
+                    "path (explicit masks, repeated K/V heads), which a GPU step does not take."
+                )
             extra = target.cuda.persistent_bytes if target.cuda is not None else 0
             if extra and target.cuda is not None:
-                notes.append(f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
-                             f"allocated ({target.cuda.source}).")
-            return _assemble(model, fake_inputs, names, policies, traced, io_bytes, {}, [], fake=True,
-                             target=target.name, device=f"{target.name} (fake)", extra_resting=extra, notes=notes,
-                             crossings=ledgers, loop=loop, loop_bytes=kept)
+                notes.append(
+                    f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
+                    f"allocated ({target.cuda.source})."
+                )
+            return _assemble(
+                model,
+                fake_inputs,
+                names,
+                policies,
+                traced,
+                io_bytes,
+                {},
+                [],
+                fake=True,
+                target=target.name,
+                device=f"{target.name} (fake)",
+                extra_resting=extra,
+                notes=notes,
+                crossings=ledgers,
+                loop=loop,
+                loop_bytes=kept,
+            )
         except DataDependentOutputException as exc:
             raise RematError(
                 f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "

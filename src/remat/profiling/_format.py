@@ -35,8 +35,9 @@ def load_versioned(text: str, *, what: str, schema: int | tuple[int, ...]) -> di
     """
     readable = schema if isinstance(schema, tuple) else (schema,)
     if not isinstance(text, (str, bytes, bytearray)):
-        raise RematError(f"{what}: expects the JSON text (a str, e.g. Path(file).read_text()), got "
-                         f"{type(text).__name__}.")
+        raise RematError(
+            f"{what}: expects the JSON text (a str, e.g. Path(file).read_text()), got {type(text).__name__}."
+        )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -12,24 +12,24 @@ from typing import Any
 
 from torch import nn
 
+from remat.core._by_module import learned_at_exit
+from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
 from remat.core._state import capture, restoring
 from remat.core._step import InputGrads, LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
-from remat.core._by_module import learned_at_exit
-from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core.checkpoint import POLICIES, forget_structure, wrap
 from remat.core.measure import device_of, resting_tensors
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._schedule import Phases, learn_structure, trace_schedule, young_collections
 from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
+from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list], dict[str, set]]
 """What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
-from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 log = logging.getLogger("remat")
 
@@ -61,19 +61,31 @@ class _Policies:
                 m.__dict__["forward"] = forward
 
 
-def _run_step(model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder,
-              loop: Loop = NO_LOOP) -> None:
+def _run_step(
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None, recorder: SegmentRecorder, loop: Loop = NO_LOOP
+) -> None:
     loop.start(model)
     recorder.begin("fwd", None)
     # the optimizer's step is the backward's last glue segment (NOTE [The step a loop repeats])
-    training_step(model, inputs, loss_fn, loop.optimizer, before_backward=lambda: recorder.begin("bwd", None),
-                  before_optimizer_step=lambda: recorder.begin("bwd", None))
+    training_step(
+        model,
+        inputs,
+        loss_fn,
+        loop.optimizer,
+        before_backward=lambda: recorder.begin("bwd", None),
+        before_optimizer_step=lambda: recorder.begin("bwd", None),
+    )
     recorder.finish()
 
 
 def traced_step(
-    model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], op_cost: OpCost | None = None,
-    workspace: OpWorkspace | None = None, loop: Loop = NO_LOOP,
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None,
+    names: Sequence[str],
+    op_cost: OpCost | None = None,
+    workspace: OpWorkspace | None = None,
+    loop: Loop = NO_LOOP,
 ) -> tuple[list[Segment], dict[str, tuple[int, int]], int, Ledger]:
     """Segments, block I/O bytes, the resting bytes, and the crossing storages and block recomputations
     (NOTE [Storages across blocks]) of one tracked step.
@@ -87,17 +99,29 @@ def traced_step(
     device = device_of(model, inputs)
     allocator = CudaAllocator(device) if device.type == "cuda" else None
     tracker = StorageTracker(known=resting_tensors(model, inputs, loop))
-    recorder = SegmentRecorder(model, names, tracker=tracker, op_cost=op_cost, workspace=workspace,
-                               allocator=allocator, clock=clock_for(device))
+    recorder = SegmentRecorder(
+        model,
+        names,
+        tracker=tracker,
+        op_cost=op_cost,
+        workspace=workspace,
+        allocator=allocator,
+        clock=clock_for(device),
+    )
     with recorder, tracker, learned_at_exit():  # NOTE [Learning kept until the step ends]
         _run_step(model, inputs, loss_fn, recorder, loop)
     resting = allocator.base if allocator is not None else storage_bytes(resting_tensors(model, inputs, loop))
-    return recorder.segments, recorder.io_bytes, resting, (recorder.crossings, recorder.recomputes,
-                                                           recorder.trajectories, recorder.output_reads)
+    return (
+        recorder.segments,
+        recorder.io_bytes,
+        resting,
+        (recorder.crossings, recorder.recomputes, recorder.trajectories, recorder.output_reads),
+    )
 
 
-def _timed_segments(model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str],
-                    loop: Loop) -> list[Segment]:
+def _timed_segments(
+    model: nn.Module, inputs: Any, loss_fn: LossFn | None, names: Sequence[str], loop: Loop
+) -> list[Segment]:
     recorder = SegmentRecorder(model, names, clock=clock_for(device_of(model, inputs)))
     with recorder:
         _run_step(model, inputs, loss_fn, recorder, loop)
@@ -144,8 +168,9 @@ def _block_profiles(
     flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
     if recompute is not None:  # see NOTE [The time model] in remat.core._timing
         block_fwd = [k for k in segments["keep"] if k[0] == "fwd" and k[1] is not None]
-        slowdown = forward_slowdown({p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p])
-                                     for p in policies})
+        slowdown = forward_slowdown(
+            {p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p]) for p in policies}
+        )
     for name in names:
         fwd_keys = [k for k in segments["keep"] if k[0] == "fwd" and k[1] == name]
         if not fwd_keys:
@@ -162,8 +187,9 @@ def _block_profiles(
             if FINE in policies:
                 extra[FINE] = fwd_s * _fine_recompute_share(flops, bwd_keys)
         else:
-            measured = {p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k))
-                        for p in policies}
+            measured = {
+                p: sum(statistics.median(recompute[p][k]) for k in bwd_keys if recompute[p].get(k)) for p in policies
+            }
             extra = {p: extra_time(p, recompute_s=measured[p], fwd_s=fwd_s, slowdown=slowdown[p]) for p in policies}
         out.append(
             BlockProfile(
@@ -202,8 +228,11 @@ def run_profile(
     switch = _Policies(model, names)
     cuda = device_of(model, inputs).type == "cuda"
     phases = Phases()
-    with restoring("remat.profile", switch.restore, original.restore, optimizer_state.restore, grads.restore), \
-            cache_disabled(model), young_collections():
+    with (
+        restoring("remat.profile", switch.restore, original.restore, optimizer_state.restore, grads.restore),
+        cache_disabled(model),
+        young_collections(),
+    ):
         if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
             training_step(model, inputs, loss_fn)
             original.restore()
@@ -222,7 +251,8 @@ def run_profile(
                 state.restore()
             with phases.timing("traced"):
                 traced[policy], io, resting[policy], crossings[policy] = traced_step(
-                    model, inputs, loss_fn, names, loop=loop)
+                    model, inputs, loss_fn, names, loop=loop
+                )
             io_bytes = io_bytes or io
             state.restore()
         traced = {p: traced[p] for p in policies}
@@ -247,8 +277,20 @@ def run_profile(
                         recompute[policy][s.key].append(s.recompute_s)
         phases.log(statistics.median(keep_steps))
         extra = resting["keep"] - storage_bytes(resting_tensors(model, inputs, loop)) if cuda else 0
-        return _assemble(model, inputs, names, policies, traced, io_bytes, seconds, keep_steps,
-                         recompute=recompute, extra_resting=extra, crossings=crossings, loop=loop)
+        return _assemble(
+            model,
+            inputs,
+            names,
+            policies,
+            traced,
+            io_bytes,
+            seconds,
+            keep_steps,
+            recompute=recompute,
+            extra_resting=extra,
+            crossings=crossings,
+            loop=loop,
+        )
 
 
 def _assemble(
@@ -276,8 +318,11 @@ def _assemble(
     if loop_bytes is None:
         loop_bytes = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
     if loop.describe():
-        notes = [*notes, f"the step includes {loop.describe()}: resting bytes include "
-                         f"{loop_bytes[0] / 2**20:.1f} MiB the loop keeps alive (NOTE [The step a loop repeats])."]
+        notes = [
+            *notes,
+            f"the step includes {loop.describe()}: resting bytes include "
+            f"{loop_bytes[0] / 2**20:.1f} MiB the loop keeps alive (NOTE [The step a loop repeats]).",
+        ]
 
     def seconds_of(policy: str, seg: Segment) -> float:
         if fake:
@@ -285,20 +330,24 @@ def _assemble(
         return statistics.median(seconds[policy][seg.key]) if seconds[policy].get(seg.key) else 0.0
 
     segments = {
-        p: {s.key: SegmentCost(s.delta, s.excess, seconds_of(p, s), s.cast_cache, s.cast_release, s.excess_released)
-            for s in traced[p]} for p in policies
+        p: {
+            s.key: SegmentCost(s.delta, s.excess, seconds_of(p, s), s.cast_cache, s.cast_release, s.excess_released)
+            for s in traced[p]
+        }
+        for p in policies
     }
     keep = traced["keep"]
     params = list(model.parameters())
     blocks = _block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute)
     writers = [b.name for b in blocks if b.writes_input]
     if writers:
-        notes = [*notes, f"blocks {', '.join(writers[:4])}{' ...' if len(writers) > 4 else ''} write their input in "
-                         "place: nested plans leave them and the blocks before them out of segments (NOTE [Inputs "
-                         "written in place inside a segment] in remat.planning._nested)."]
-    step_time = (
-        sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
-    )
+        notes = [
+            *notes,
+            f"blocks {', '.join(writers[:4])}{' ...' if len(writers) > 4 else ''} write their input in "
+            "place: nested plans leave them and the blocks before them out of segments (NOTE [Inputs "
+            "written in place inside a segment] in remat.planning._nested).",
+        ]
+    step_time = sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
     return Profile(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
@@ -312,8 +361,10 @@ def _assemble(
         bwd_order=[s.key for s in keep if s.phase == "bwd"],
         segments=segments,
         crossings=_crossings({p: ledger[0] for p, ledger in (crossings or {}).items()}),
-        recomputes=_recomputes({p: ledger[1] for p, ledger in (crossings or {}).items()},
-                               {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2}),
+        recomputes=_recomputes(
+            {p: ledger[1] for p, ledger in (crossings or {}).items()},
+            {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2},
+        ),
         unchained=_unchained((crossings or {}).get("keep"), [s.block for s in keep if s.phase == "fwd" and s.block]),
         fake=fake,
         target=target,
@@ -341,13 +392,15 @@ def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:
     out = []
     for ident, record in per_policy["keep"].items():
         if all(ident in runs for runs in per_policy.values()) and not _stays_home(ident, per_policy):
-            out.append(Crossing(
-                nbytes=record["nbytes"],
-                producer=record["producer"],
-                receivers=tuple(record["receivers"]),
-                freed={p: runs[ident]["freed"] for p, runs in per_policy.items()},
-                after={p: runs[ident]["after"] for p, runs in per_policy.items()},
-            ))
+            out.append(
+                Crossing(
+                    nbytes=record["nbytes"],
+                    producer=record["producer"],
+                    receivers=tuple(record["receivers"]),
+                    freed={p: runs[ident]["freed"] for p, runs in per_policy.items()},
+                    after={p: runs[ident]["after"] for p, runs in per_policy.items()},
+                )
+            )
     return out
 
 
@@ -360,7 +413,8 @@ def _stays_home(ident: tuple, per_policy: dict[str, dict[tuple, dict]]) -> bool:
 
 
 def _recomputes(
-    per_policy: dict[str, dict[tuple, dict]], trajectories: dict[str, dict[tuple, list]],
+    per_policy: dict[str, dict[tuple, dict]],
+    trajectories: dict[str, dict[tuple, list]],
 ) -> list[Recompute]:
     """One :class:`Recompute` per (block, k-th recomputation) seen in any policy's run."""
     idents = dict.fromkeys(i for runs in per_policy.values() for i in runs)
@@ -370,14 +424,17 @@ def _recomputes(
     out = []
     for block, k in idents:
         ran = {p: runs[(block, k)] for p, runs in per_policy.items() if (block, k) in runs}
-        out.append(Recompute(
-            block=block, index=k,
-            at={p: r["segment"] for p, r in ran.items()},
-            delta={p: r["delta"] for p, r in ran.items()},
-            excess={p: r["excess"] for p, r in ran.items()},
-            freed_after={p: sum(nb for _, _, nb in r["frees"]) for p, r in ran.items()},
-            swap=swap_excesses(block, ran, trajectories, crowded) if trajectories else {},
-        ))
+        out.append(
+            Recompute(
+                block=block,
+                index=k,
+                at={p: r["segment"] for p, r in ran.items()},
+                delta={p: r["delta"] for p, r in ran.items()},
+                excess={p: r["excess"] for p, r in ran.items()},
+                freed_after={p: sum(nb for _, _, nb in r["frees"]) for p, r in ran.items()},
+                swap=swap_excesses(block, ran, trajectories, crowded) if trajectories else {},
+            )
+        )
     return out
 
 

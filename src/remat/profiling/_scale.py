@@ -25,9 +25,12 @@ from remat.profiling._types import BlockProfile, Profile, SegmentCost
 
 def _same_shape(p1: Profile, p2: Profile) -> bool:
     return (
-        p1.fwd_order == p2.fwd_order and p1.bwd_order == p2.bwd_order and p1.policies == p2.policies
+        p1.fwd_order == p2.fwd_order
+        and p1.bwd_order == p2.bwd_order
+        and p1.policies == p2.policies
         and [b.name for b in p1.blocks] == [b.name for b in p2.blocks]
-        and len(p1.crossings) == len(p2.crossings) and len(p1.recomputes) == len(p2.recomputes)
+        and len(p1.crossings) == len(p2.crossings)
+        and len(p1.recomputes) == len(p2.recomputes)
         and all(set(s1) == set(p2.segments[p]) for p, s1 in p1.segments.items())
     )
 
@@ -51,31 +54,52 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
         return {k: f(v, d2[k]) for k, v in d1.items() if k in d2}
 
     segments = {
-        p: {k: SegmentCost(nbytes(c.delta, p2.segments[p][k].delta), nbytes(c.excess, p2.segments[p][k].excess),
-                           max(0.0, at(c.seconds, p2.segments[p][k].seconds)))
-            for k, c in segs.items()}
+        p: {
+            k: SegmentCost(
+                nbytes(c.delta, p2.segments[p][k].delta),
+                nbytes(c.excess, p2.segments[p][k].excess),
+                max(0.0, at(c.seconds, p2.segments[p][k].seconds)),
+            )
+            for k, c in segs.items()
+        }
         for p, segs in p1.segments.items()
     }
     blocks = tuple(
         BlockProfile(
-            name=a.name, input_bytes=nbytes(a.input_bytes, b.input_bytes),
+            name=a.name,
+            input_bytes=nbytes(a.input_bytes, b.input_bytes),
             output_bytes=nbytes(a.output_bytes, b.output_bytes),
-            saved_bytes=per_policy(a.saved_bytes, b.saved_bytes), fwd_time_s=max(0.0, at(a.fwd_time_s, b.fwd_time_s)),
+            saved_bytes=per_policy(a.saved_bytes, b.saved_bytes),
+            fwd_time_s=max(0.0, at(a.fwd_time_s, b.fwd_time_s)),
             bwd_time_s=max(0.0, at(a.bwd_time_s, b.bwd_time_s)),
             extra_time_s=per_policy(a.extra_time_s, b.extra_time_s, lambda x, y: max(0.0, at(x, y))),
-            fwd_flops=nbytes(a.fwd_flops, b.fwd_flops), bwd_flops=per_policy(a.bwd_flops, b.bwd_flops), calls=a.calls,
+            fwd_flops=nbytes(a.fwd_flops, b.fwd_flops),
+            bwd_flops=per_policy(a.bwd_flops, b.bwd_flops),
+            calls=a.calls,
             writes_input=a.writes_input or b.writes_input,
         )
         for a, b in zip(p1.blocks, p2.blocks)
     )
-    crossings = [replace(c, nbytes=nbytes(c.nbytes, d.nbytes), after=per_policy(c.after, d.after))
-                 for c, d in zip(p1.crossings, p2.crossings)]
-    recomputes = [replace(r, delta=per_policy(r.delta, s.delta), excess=per_policy(r.excess, s.excess),
-                          freed_after=per_policy(r.freed_after, s.freed_after),
-                          swap=_scaled_swap(r.swap, s.swap, nbytes))
-                  for r, s in zip(p1.recomputes, p2.recomputes)]
+    crossings = [
+        replace(c, nbytes=nbytes(c.nbytes, d.nbytes), after=per_policy(c.after, d.after))
+        for c, d in zip(p1.crossings, p2.crossings)
+    ]
+    recomputes = [
+        replace(
+            r,
+            delta=per_policy(r.delta, s.delta),
+            excess=per_policy(r.excess, s.excess),
+            freed_after=per_policy(r.freed_after, s.freed_after),
+            swap=_scaled_swap(r.swap, s.swap, nbytes),
+        )
+        for r, s in zip(p1.recomputes, p2.recomputes)
+    ]
     return replace(
-        p1, blocks=blocks, segments=segments, crossings=crossings, recomputes=recomputes,
+        p1,
+        blocks=blocks,
+        segments=segments,
+        crossings=crossings,
+        recomputes=recomputes,
         resting_bytes=nbytes(p1.resting_bytes, p2.resting_bytes),
         step_time_s=max(0.0, at(p1.step_time_s, p2.step_time_s)),
         notes=[*p1.notes, f"scaled to batch {batch} from profiles at batches {b1} and {b2}"],

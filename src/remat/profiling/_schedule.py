@@ -61,8 +61,13 @@ class Phases:
     def log(self, step_s: float) -> None:
         total = time.perf_counter() - self.start
         parts = ", ".join(f"{self.steps[p]} {p} steps {s:.2f} s" for p, s in self.seconds.items())
-        log.info("remat.profile: %s; %.2f s in all, %.1f training steps without checkpointing (%.3f s each)",
-                 parts, total, total / step_s if step_s > 0 else float("nan"), step_s)
+        log.info(
+            "remat.profile: %s; %.2f s in all, %.1f training steps without checkpointing (%.3f s each)",
+            parts,
+            total,
+            total / step_s if step_s > 0 else float("nan"),
+            step_s,
+        )
 
 
 # NOTE [selective-ops traces selective's learning]

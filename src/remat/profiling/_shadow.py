@@ -34,8 +34,13 @@ from remat.core._rng import draws_random
 
 aten = torch.ops.aten
 _ANSWERED = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
-_UNINITIALIZED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
-                  aten.new_empty.default, aten.new_empty_strided.default}
+_UNINITIALIZED = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+}
 
 
 class ValueShadows(TorchDispatchMode):
@@ -87,9 +92,14 @@ class ValueShadows(TorchDispatchMode):
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         device = kwargs.get("device")
-        shadow = (ok and not draws_random(func) and func not in _UNINITIALIZED and outs
-                  and all(t.numel() <= self.limit for t in outs)
-                  and (device is None or torch.device(device).type == "cpu"))
+        shadow = (
+            ok
+            and not draws_random(func)
+            and func not in _UNINITIALIZED
+            and outs
+            and all(t.numel() <= self.limit for t in outs)
+            and (device is None or torch.device(device).type == "cpu")
+        )
         if shadow:
             with _disable_current_modes():
                 real_out = func(*real_args, **real_kwargs)

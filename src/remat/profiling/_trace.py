@@ -94,8 +94,14 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 def _weight_cast(src: Any, out: Any) -> bool:
     """An autocast-style cast of a weight: float32 leaf that requires grad, to a lower precision."""
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.is_leaf and src.requires_grad
-            and src.dtype == torch.float32 and out.dtype in (torch.bfloat16, torch.float16))
+    return (
+        isinstance(src, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and src.is_leaf
+        and src.requires_grad
+        and src.dtype == torch.float32
+        and out.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -276,8 +282,13 @@ class SegmentRecorder:
             ident = self._crossing_of.get(key)
             if ident is None:
                 ident = self._crossing_of[key] = (block, occurrence, side, j)
-                self.crossings[ident] = {"nbytes": tracker.live[key], "producer": None, "receivers": [],
-                                         "freed": None, "after": 0}
+                self.crossings[ident] = {
+                    "nbytes": tracker.live[key],
+                    "producer": None,
+                    "receivers": [],
+                    "freed": None,
+                    "after": 0,
+                }
             out.append(ident)
         return out
 
@@ -297,8 +308,13 @@ class SegmentRecorder:
                 j = self._made_count.get((block, seg.occurrence), 0)
                 self._made_count[(block, seg.occurrence)] = j + 1
                 ident = self._made[key] = (block, seg.occurrence, "made", j)
-                self.crossings[ident] = {"nbytes": tracker.live[key], "producer": seg.key, "receivers": [],
-                                         "freed": None, "after": 0}
+                self.crossings[ident] = {
+                    "nbytes": tracker.live[key],
+                    "producer": seg.key,
+                    "receivers": [],
+                    "freed": None,
+                    "after": 0,
+                }
 
     def _crossing_freed(self, key: int) -> None:
         ident = self._crossing_of.pop(key, None) or self._made.pop(key, None)
@@ -353,8 +369,9 @@ class SegmentRecorder:
         elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None and not in_bookkeeping():
             self._note_made(seg, out)
             if func._schema.is_mutable and not seg.writes_input:
-                seg.writes_input = any(st._cdata in self._call_inputs
-                                       for t in _written_tensors(func, args, kwargs) for st in storages(t))
+                seg.writes_input = any(
+                    st._cdata in self._call_inputs for t in _written_tensors(func, args, kwargs) for st in storages(t)
+                )
         if seg.phase == "fwd" and self._outputs:
             self._note_reads(seg.block, (args, kwargs))
         packet = func._overloadpacket
@@ -408,8 +425,14 @@ class SegmentRecorder:
     def _on_recompute_start(self, owner: nn.Module | None) -> None:
         live = self._live()
         span = len(self._trajectory) if self._trajectory is not None else None
-        self._recomputing = [self._names.get(id(owner)), live, live, span, self._allocs,
-                             set(self.tracker.live) if self.tracker is not None else set()]
+        self._recomputing = [
+            self._names.get(id(owner)),
+            live,
+            live,
+            span,
+            self._allocs,
+            set(self.tracker.live) if self.tracker is not None else set(),
+        ]
 
     def _on_recompute(self, start: Any, end: Any) -> None:
         if self._current is not None:
@@ -425,8 +448,13 @@ class SegmentRecorder:
             span = (start, len(self._trajectory))
         k = sum(1 for b, _ in self.recomputes if b == block)
         record = self.recomputes[(block, k)] = {
-            "segment": self._current.key, "delta": self._live() - begun, "excess": max(top, self._live()) - begun,
-            "allocs": allocs, "span": span, "frees": []}
+            "segment": self._current.key,
+            "delta": self._live() - begun,
+            "excess": max(top, self._live()) - begun,
+            "allocs": allocs,
+            "span": span,
+            "frees": [],
+        }
         for key in self.tracker.live.keys() - before:
             self._rebuilt[key] = record
 
@@ -445,4 +473,3 @@ class SegmentRecorder:
             h.remove()
         self._handles.clear()
         self._observing.__exit__(*exc)
-

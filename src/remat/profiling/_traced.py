@@ -51,8 +51,15 @@ from remat.profiling._traced_cut import (
     traced,
 )
 
-__all__ = ["HOLDER", "MAX_SEGMENTS", "MIN_SEGMENT_OPS", "install_from_names", "is_traced_plan", "traced_units",
-           "uninstall"]
+__all__ = [
+    "HOLDER",
+    "MAX_SEGMENTS",
+    "MIN_SEGMENT_OPS",
+    "install_from_names",
+    "is_traced_plan",
+    "traced_units",
+    "uninstall",
+]
 
 #: The attribute of the model that holds the segments while they are installed.
 HOLDER = "remat_traced"
@@ -92,8 +99,9 @@ class _TracedForward:
     model computes what it would without remat (and checkpoints nothing, as eval steps need not).
     """
 
-    def __init__(self, model: nn.Module, holder: nn.Sequential, signature: inspect.Signature,
-                 modes: dict[nn.Module, bool]) -> None:
+    def __init__(
+        self, model: nn.Module, holder: nn.Sequential, signature: inspect.Signature, modes: dict[nn.Module, bool]
+    ) -> None:
         self.holder = holder
         self.signature = signature
         self.modes = modes
@@ -114,8 +122,9 @@ class _TracedForward:
 # --- segments -----------------------------------------------------------------------------------
 
 
-def _segment_graph(nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | None, carry_out: fx.Node | None
-                   ) -> fx.Graph:
+def _segment_graph(
+    nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | None, carry_out: fx.Node | None
+) -> fx.Graph:
     """Ops lo..hi (inclusive) as a graph of (carry, *the model's inputs) -> carry (or the model's output)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -131,7 +140,7 @@ def _segment_graph(nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | N
             env[n] = graph.get_attr(str(n.target))  # a get_attr node's target is the attribute's qualified name
         return env[n]
 
-    for node in nodes[lo:hi + 1]:
+    for node in nodes[lo : hi + 1]:
         if node.op in ("placeholder", "get_attr"):
             continue
         if node.op == "output":
@@ -194,8 +203,11 @@ def uninstall(model: nn.Module) -> None:
 
 
 def _values(signature: inspect.Signature, inputs: Any) -> tuple:
-    args, kwargs = ((), dict(inputs)) if isinstance(inputs, Mapping) else (
-        (inputs, {}) if isinstance(inputs, tuple) else ((inputs,), {}))
+    args, kwargs = (
+        ((), dict(inputs))
+        if isinstance(inputs, Mapping)
+        else ((inputs, {}) if isinstance(inputs, tuple) else ((inputs,), {}))
+    )
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())
@@ -211,12 +223,16 @@ def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
     nodes, carries = trace.nodes, trace.carries
     ops = sum(_is_value(n) for n in nodes)
     if ops < 2 * MIN_SEGMENT_OPS:
-        raise TracedError(f"its traced forward runs {ops} op(s), too few to cut into segments of "
-                          f"{MIN_SEGMENT_OPS} or more that could save memory")
+        raise TracedError(
+            f"its traced forward runs {ops} op(s), too few to cut into segments of "
+            f"{MIN_SEGMENT_OPS} or more that could save memory"
+        )
     if not carries:
-        raise TracedError(f"its traced forward ({ops} ops) has no point where a single value carries the state "
-                          "from one op to the rest (two or more values are alive after every op), so it cannot "
-                          "be cut into a chain")
+        raise TracedError(
+            f"its traced forward ({ops} ops) has no point where a single value carries the state "
+            "from one op to the rest (two or more values are alive after every op), so it cannot "
+            "be cut into a chain"
+        )
     sizes = _sizes(trace.gm, values)
     if sizes is not None:  # a chain passes tensors: a tuple or a number alive alone is no place to cut
         carries = {p: n for p, n in carries.items() if n in sizes}
@@ -225,8 +241,7 @@ def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
 
 
 @contextmanager
-def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: str, hint: str
-                 ) -> Iterator[list[str]]:
+def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: str, hint: str) -> Iterator[list[str]]:
     """The names of ``model``'s traced segments (traced in ``training`` mode), installed for the ``with`` body
     and taken off after it.
 
@@ -261,22 +276,28 @@ def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool
         have = sorted(f"{HOLDER}.{n}" for n, _ in holder.named_children())
         if have == sorted(n for n in names if n.startswith(f"{HOLDER}.")):
             return False
-        raise RematError(f"remat.apply: {type(model).__name__} runs the segments of another plan's traced forward "
-                         f"({len(have)} segments, this plan has {len(names)}); take them off with "
-                         "remat.remove(model) first.")
+        raise RematError(
+            f"remat.apply: {type(model).__name__} runs the segments of another plan's traced forward "
+            f"({len(have)} segments, this plan has {len(names)}); take them off with "
+            "remat.remove(model) first."
+        )
     wanted = [n.removeprefix(f"{HOLDER}.{_PREFIX}") for n in names if n.startswith(f"{HOLDER}.{_PREFIX}")]
     try:
         signature = _signature(model)
         trace = traced(model, training)
     except TracedError as exc:
-        raise RematError(f"remat.apply: the plan checkpoints segments of {type(model).__name__}'s traced forward, "
-                         f"but this model cannot be traced: {exc}.") from exc
+        raise RematError(
+            f"remat.apply: the plan checkpoints segments of {type(model).__name__}'s traced forward, "
+            f"but this model cannot be traced: {exc}."
+        ) from exc
     position, carries = trace.position, trace.carries
     cuts = sorted(position[w] for w in wanted if w != "output" and w in position)
     bad = [w for w in wanted if w != "output" and (w not in position or position[w] not in carries)]
     if bad or "output" not in wanted:
-        raise RematError(f"remat.apply: the plan names traced segments {bad or names} that {type(model).__name__}'s "
-                         "traced forward does not end a chain at; was the plan made for another model? Profile "
-                         "this one with remat.profile and plan again.")
+        raise RematError(
+            f"remat.apply: the plan names traced segments {bad or names} that {type(model).__name__}'s "
+            "traced forward does not end a chain at; was the plan made for another model? Profile "
+            "this one with remat.profile and plan again."
+        )
     _install(model, trace, signature, cuts)
     return True

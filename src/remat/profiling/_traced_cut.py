@@ -20,6 +20,7 @@ MAX_SEGMENTS = 32
 #: backward what checkpointing it would keep (its input), so it saves nothing.
 MIN_SEGMENT_OPS = 4
 
+
 class TracedError(RematError):
     """A model's forward cannot be traced, or its trace cannot be cut into a chain."""
 
@@ -31,8 +32,9 @@ def _signature(model: nn.Module) -> inspect.Signature:
     signature = inspect.signature(type(model).forward.__get__(model))
     kinds = {p.kind for p in signature.parameters.values()}
     if not signature.parameters or kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
-        raise TracedError("its forward takes no named inputs, or takes *args or **kwargs, which a traced forward "
-                          "cannot bind")
+        raise TracedError(
+            "its forward takes no named inputs, or takes *args or **kwargs, which a traced forward cannot bind"
+        )
     return signature
 
 
@@ -47,12 +49,16 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
         modes = {m: m.training for m in model.modules()}
         return fx.symbolic_trace(model), modes
     except fx.proxy.TraceError as exc:
-        raise TracedError(f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
-                          "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
-                          "express it)") from exc
+        raise TracedError(
+            f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
+            "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
+            "express it)"
+        ) from exc
     except Exception as exc:  # whatever fx cannot run is the reason to tell
-        raise TracedError(f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
-                          "an untraceable op or Python on tensor values") from exc
+        raise TracedError(
+            f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
+            "an untraceable op or Python on tensor values"
+        ) from exc
     finally:
         for m, mode in before.items():
             m.training = mode
@@ -176,8 +182,10 @@ class Traced:
 
 
 def _key(model: nn.Module, training: bool | None) -> tuple:
-    plain = tuple((name, tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in _PLAIN and k != "training")))
-                  for name, m in model.named_modules())
+    plain = tuple(
+        (name, tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in _PLAIN and k != "training")))
+        for name, m in model.named_modules()
+    )
     modes = training if training is not None else tuple(m.training for m in model.modules())
     return modes, plain
 
@@ -192,6 +200,11 @@ def traced(model: nn.Module, training: bool | None) -> Traced:
         nodes = list(gm.graph.nodes)
         names = {module: name for name, module in model.named_modules()}  # names: the kept trace holds no module
         kept.clear()  # the latest trace only: a model's other modes are rarely asked for again
-        kept[key] = Traced(gm, {names[m]: mode for m, mode in modes.items()}, nodes, _carries(nodes),
-                           {n.name: i for i, n in enumerate(nodes)})
+        kept[key] = Traced(
+            gm,
+            {names[m]: mode for m, mode in modes.items()},
+            nodes,
+            _carries(nodes),
+            {n.name: i for i, n in enumerate(nodes)},
+        )
     return kept[key]

@@ -207,10 +207,17 @@ class Profile:
         """For messages about floors: what of the resting bytes the training loop keeps alive ("" if nothing)."""
         parts = [f"{self.optimizer}'s state {human_bytes(self.optimizer_bytes)}"] if self.optimizer else []
         if self.accumulation_steps > 1:
-            parts.append(f"gradients {human_bytes(self.grad_bytes)} (accumulated over {self.accumulation_steps} "
-                         "backward passes)")
-        return (f" Of the resting {human_bytes(self.resting_bytes)}, the training loop keeps {' and '.join(parts)} "
-                "alive through every step: no checkpointing plan lowers that.") if parts else ""
+            parts.append(
+                f"gradients {human_bytes(self.grad_bytes)} (accumulated over {self.accumulation_steps} backward passes)"
+            )
+        return (
+            (
+                f" Of the resting {human_bytes(self.resting_bytes)}, the training loop keeps {' and '.join(parts)} "
+                "alive through every step: no checkpointing plan lowers that."
+            )
+            if parts
+            else ""
+        )
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -251,19 +258,35 @@ class Profile:
 def profile_table(p: Profile) -> str:
     shown = [k for k in p.policies if k != "keep"]
     short = {"selective": "sel", "selective-ops": "sel-ops"}
-    header = ["block", "in", "out", "saved keep", *(f"saved {short.get(k, k)}" for k in shown), "fwd ms", "bwd ms",
-              *(f"+ms {short.get(k, k)}" for k in shown), "GFLOP fwd", "peak if full"]
+    header = [
+        "block",
+        "in",
+        "out",
+        "saved keep",
+        *(f"saved {short.get(k, k)}" for k in shown),
+        "fwd ms",
+        "bwd ms",
+        *(f"+ms {short.get(k, k)}" for k in shown),
+        "GFLOP fwd",
+        "peak if full",
+    ]
     base = p.baseline_peak_bytes
     rows = []
     for b in p.blocks:
         alone = p.predict_peak({b.name: "full"}) if "full" in p.policies else base
-        rows.append([
-            b.name, human_bytes(b.input_bytes), human_bytes(b.output_bytes),
-            *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in ("keep", *shown)),
-            f"{b.fwd_time_s * 1e3:.1f}", f"{b.bwd_time_s * 1e3:.1f}",
-            *(f"{b.extra_time_s[k] * 1e3:.1f}" if k in b.extra_time_s else "-" for k in shown),
-            f"{b.fwd_flops / 1e9:.2f}", f"{(alone - base) / base:+.1%}",
-        ])
+        rows.append(
+            [
+                b.name,
+                human_bytes(b.input_bytes),
+                human_bytes(b.output_bytes),
+                *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in ("keep", *shown)),
+                f"{b.fwd_time_s * 1e3:.1f}",
+                f"{b.bwd_time_s * 1e3:.1f}",
+                *(f"{b.extra_time_s[k] * 1e3:.1f}" if k in b.extra_time_s else "-" for k in shown),
+                f"{b.fwd_flops / 1e9:.2f}",
+                f"{(alone - base) / base:+.1%}",
+            ]
+        )
     kind = f"fake tensors, times modelled for {p.target}" if p.fake else f"measured on {p.device}"
     summary = (
         f"{p.model}: {len(p.blocks)} blocks, {kind}. Resting {human_bytes(p.resting_bytes)} "

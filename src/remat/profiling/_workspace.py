@@ -207,8 +207,10 @@ _OPS = {
     "safe_softmax": ("_safe_softmax.default",),
     "softmax_backward": ("_softmax_backward_data.default",),
     "embedding_backward": ("embedding_dense_backward.default",),
-    "attention_backward": ("_scaled_dot_product_efficient_attention_backward.default",
-                           "_scaled_dot_product_cudnn_attention_backward.default"),
+    "attention_backward": (
+        "_scaled_dot_product_efficient_attention_backward.default",
+        "_scaled_dot_product_cudnn_attention_backward.default",
+    ),
 }
 
 

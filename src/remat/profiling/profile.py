@@ -83,9 +83,20 @@ def profile(
         from remat.profiling._traced import traced_units
 
         with traced_units(model, inputs, training=training, api="remat.profile", hint=suggest_blocks(model)) as names:
-            return profile(model, inputs, loss_fn, blocks=names, policies=policies, warmup=warmup, repeat=repeat,
-                           fake=fake, target=target, training=training, optimizer=optimizer,
-                           accumulation_steps=accumulation_steps)
+            return profile(
+                model,
+                inputs,
+                loss_fn,
+                blocks=names,
+                policies=policies,
+                warmup=warmup,
+                repeat=repeat,
+                fake=fake,
+                target=target,
+                training=training,
+                optimizer=optimizer,
+                accumulation_steps=accumulation_steps,
+            )
     policies = validate_policies(policies)
     loop = make_loop(model, optimizer, accumulation_steps, "remat.profile")
     if training is not None and not isinstance(training, bool):
@@ -116,8 +127,18 @@ def profile(
     return prof
 
 
-def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tuple[str, ...], warmup: int,
-         repeat: int, fake: bool, target: Any, loop: Loop) -> Profile:
+def _run(
+    model: Any,
+    inputs: Any,
+    loss_fn: Any,
+    names: list[str],
+    policies: tuple[str, ...],
+    warmup: int,
+    repeat: int,
+    fake: bool,
+    target: Any,
+    loop: Loop,
+) -> Profile:
     from remat.profiling._profile_run import run_profile
 
     if fake:
@@ -126,8 +147,7 @@ def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tupl
 
         spec = target if isinstance(target, Target) else get_target(target or "cpu")
         return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec, loop=loop)
-    return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat,
-                       loop=loop)
+    return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat, loop=loop)
 
 
 # NOTE [A profile that runs out of memory says how much it needs]
@@ -136,8 +156,16 @@ def _run(model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tupl
 # a profile on fake tensors (it allocates nothing) predicts the peak without checkpointing
 # and the lowest peak any plan reaches, and remat.auto with a budget between the two plans
 # within it (NOTE [Within the budget] in remat.planning.apply).
-def _told_out_of_memory(exc: OutOfMemory, model: Any, inputs: Any, loss_fn: Any, names: list[str],
-                        policies: tuple[str, ...], loop: Loop, training: bool | None) -> OutOfMemory:
+def _told_out_of_memory(
+    exc: OutOfMemory,
+    model: Any,
+    inputs: Any,
+    loss_fn: Any,
+    names: list[str],
+    policies: tuple[str, ...],
+    loop: Loop,
+    training: bool | None,
+) -> OutOfMemory:
     from remat.core.measure import device_of
 
     gc.collect()  # the failed step's tensors, then the allocator's cache they went to
@@ -146,16 +174,28 @@ def _told_out_of_memory(exc: OutOfMemory, model: Any, inputs: Any, loss_fn: Any,
     device = device_of(model, inputs)
     target = "cpu" if device.type != "cuda" else "h100"
     try:
-        fake = profile(model, inputs, loss_fn, blocks=names, policies=("keep", "full"), fake=True, target=target,
-                       training=training, optimizer=loop.optimizer, accumulation_steps=loop.accumulation_steps)
+        fake = profile(
+            model,
+            inputs,
+            loss_fn,
+            blocks=names,
+            policies=("keep", "full"),
+            fake=True,
+            target=target,
+            training=training,
+            optimizer=loop.optimizer,
+            accumulation_steps=loop.accumulation_steps,
+        )
     except Exception:  # noqa: BLE001 - the numbers are a courtesy; the out-of-memory is the error
         fake = None
     if fake is None:
         numbers = ""
     else:
         full = fake.predict_peak({b.name: "full" for b in fake.blocks})
-        numbers = (f" On fake tensors (nothing allocated) its step without checkpointing is predicted at "
-                   f"{fake.baseline_peak_bytes} bytes and with every block recomputed at {full} bytes.")
+        numbers = (
+            f" On fake tensors (nothing allocated) its step without checkpointing is predicted at "
+            f"{fake.baseline_peak_bytes} bytes and with every block recomputed at {full} bytes."
+        )
     return OutOfMemory(
         f"remat.profile: a profiled step on {device} ran out of device memory ({reason}); the model was restored."
         f"{numbers} A real profile runs the step without checkpointing; on a device it does not fit, call "

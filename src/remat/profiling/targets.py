@@ -56,11 +56,11 @@ class Target:
 
 TARGETS = {
     # H100 SXM5: FP32 67 TFLOPS, TF32 495, BF16/FP16 989 (dense); HBM3 3.35 TB/s; 80 GB.
-    "h100": Target("h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 80 * 10**9,
-                   cuda=H100),
+    "h100": Target("h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 80 * 10**9, cuda=H100),
     # A100 SXM 80GB: FP32 19.5 TFLOPS, BF16/FP16 312 (dense); HBM2e 2.039 TB/s; 80 GB.
-    "a100": Target("a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.039e12, 80 * 10**9,
-                   cuda=A100),
+    "a100": Target(
+        "a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.039e12, 80 * 10**9, cuda=A100
+    ),
 }
 
 
