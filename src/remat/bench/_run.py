@@ -375,6 +375,12 @@ def _measured_within(zoo: ZooModel, setup: Setup, budget: int, batch: int, peaks
     return peaks[batch] <= budget
 
 
+def _fits_batch(
+    name: str, options: dict, strategy: str, budget: int, peaks: dict[int, int], predictions: dict[int, int], batch: int
+) -> bool:
+    return _fits(name, options, strategy, budget, batch, peaks, predictions)
+
+
 def _fits(
     name: str, options: dict, strategy: str, budget: int, batch: int, peaks: dict[int, int], predictions: dict[int, int]
 ) -> bool:
@@ -410,10 +416,7 @@ def max_batch(
         seen: dict[int, int] = {}
         predicted: dict[int, int] = {}
         batches[strategy], tried[strategy] = search_max(
-            lambda b, strategy=strategy, seen=seen, predicted=predicted: _fits(
-                name, options, strategy, budget_bytes, b, seen, predicted
-            ),
-            limit=limit,
+            partial(_fits_batch, name, options, strategy, budget_bytes, seen, predicted), limit=limit
         )
         peaks[strategy] = seen.get(batches[strategy], 0)
     return MaxBatchResult(name, budget_bytes, batches, peaks, tried)
