@@ -1,5 +1,6 @@
 import copy
 import itertools
+import pathlib
 import signal
 import warnings
 
@@ -36,10 +37,44 @@ def _needs_cuda(item) -> bool:
     return any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
 
 
+#: The test files ``make test-fast`` runs (each well under a minute on a 2-core CPU); every other file is
+#: marked ``heavy``: they run whole models through profiles, plans and verification.
+_FAST_FILES = {
+    "core/test_by_module.py",
+    "core/test_checkpoint.py",
+    "core/test_conflicts.py",
+    "core/test_fingerprint.py",
+    "core/test_hf.py",
+    "core/test_measure.py",
+    "core/test_region.py",
+    "core/test_rng.py",
+    "core/test_state.py",
+    "core/test_timing.py",
+    "core/test_torch_options.py",
+    "core/test_torch_suite.py",
+    "profiling/test_scale.py",
+    "profiling/test_schedule.py",
+    "profiling/test_shadow.py",
+    "profiling/test_trace.py",
+    "profiling/test_workspace.py",
+    "profiling/test_cuda_kernels.py",
+    "profiling/test_cuda_autocast.py",
+    "test_api.py",
+    "test_house.py",
+}
+
+
+def _is_heavy(item) -> bool:
+    path = pathlib.Path(str(item.fspath)).resolve()
+    return path.relative_to(pathlib.Path(__file__).resolve().parent).as_posix() not in _FAST_FILES
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _needs_cuda(item):
             item.add_marker(pytest.mark.gpu)
+        if _is_heavy(item):
+            item.add_marker(pytest.mark.heavy)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")

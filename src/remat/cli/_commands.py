@@ -89,23 +89,25 @@ def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded, *, fake_for: s
         )
 
 
-def profile_within(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> Any:
+def profile_within(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> tuple[Any, str | None]:
     """The profile to plan ``--budget`` on, running no real step predicted over it (NOTE [Within the budget] in
-    remat.planning.apply): on fake tensors first, then measured only if the step without checkpointing fits."""
+    remat.planning.apply): on fake tensors first, then measured only if the step without checkpointing fits; and
+    a line saying so when it stayed on fake tensors (said after the result: a command that fails prints nothing
+    on stdout)."""
     from remat.planning.apply import device_target
 
     if args.fake or args.budget is None:
-        return run_profile(args, ui, loaded)
+        return run_profile(args, ui, loaded), None
     fake = run_profile(args, ui, loaded, fake_for=device_target(loaded.model, loaded.inputs))
     if fake.baseline_peak_bytes <= remat.parse_budget(args.budget, fake.baseline_peak_bytes):
-        return run_profile(args, ui, loaded)
-    ui.say(
+        return run_profile(args, ui, loaded), None
+    note = (
         f"The step without checkpointing is predicted at {human_bytes(fake.baseline_peak_bytes)}, over the budget "
         f"{human_bytes(remat.parse_budget(args.budget, fake.baseline_peak_bytes))}: profiled on fake tensors (memory "
         "exact, times from the device's roofline), so that no step over the budget ran. remat.auto verifies such a "
         "plan with real steps within the budget."
     )
-    return fake
+    return fake, note
 
 
 #: ``--optimizer``: the loop's optimizer, on the model's parameters (memory does not depend on the rates).
@@ -242,7 +244,7 @@ def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
     if args.budget is not None:
         remat.parse_budget(args.budget, 1)  # a typo fails now, not after profiling
     loaded = load(args, ui)
-    prof = profile_within(args, ui, loaded)
+    prof, fake_note = profile_within(args, ui, loaded)
     data = profile_data(args, prof, loaded)
     if args.out:
         Path(args.out).write_text(prof.to_json())
@@ -259,6 +261,8 @@ def cmd_profile(args: argparse.Namespace, ui: Ui) -> int:
         )
         for note in data["notes"]:
             ui.say(note)
+    if fake_note:
+        ui.say(fake_note)
     if args.out:
         ui.say(f"Wrote the full profile to {args.out} (remat.Profile.from_json reads it).")
     return 0
@@ -308,7 +312,7 @@ def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
     check_writable(args.out)
     check_writable(args.plot, "--plot")
     loaded = load(args, ui)
-    prof = profile_within(args, ui, loaded)
+    prof, fake_note = profile_within(args, ui, loaded)
     chosen = remat.plan(prof, args.budget, strategy=args.strategy)
     if chosen.budget_bytes is not None and chosen.predicted_peak_bytes > chosen.budget_bytes:
         warning_line(
@@ -326,6 +330,8 @@ def cmd_plan(args: argparse.Namespace, ui: Ui) -> int:
         ui.show(_plan_table(chosen, prof))
         ui.say(chosen.summary())
         ui.say(f"Lowest peak any plan reaches: {human_bytes(chosen.min_peak_bytes)}.")
+    if fake_note:
+        ui.say(fake_note)
     if args.out:
         ui.say(f"Wrote the plan to {args.out}; apply it with remat.apply(model, remat.Plan.from_json(text)).")
     return 0
