@@ -98,7 +98,10 @@ def profile_within(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> tuple[An
 
     if args.fake or args.budget is None:
         return run_profile(args, ui, loaded), None
-    fake = run_profile(args, ui, loaded, fake_for=device_target(loaded.model, loaded.inputs))
+    try:
+        fake = run_profile(args, ui, loaded, fake_for=device_target(loaded.model, loaded.inputs))
+    except remat.RematError:  # fake tensors cannot run this model: profiled for real, as remat.auto does
+        return run_profile(args, ui, loaded), None
     if fake.baseline_peak_bytes <= remat.parse_budget(args.budget, fake.baseline_peak_bytes):
         return run_profile(args, ui, loaded), None
     note = (
