@@ -169,3 +169,48 @@ def test_no_issue_numbers_in_the_code():
         if pattern.search(line) and "torch issue" not in line and "pytorch/issues" not in line
     ]
     assert not found, found
+
+
+def note_blocks(text: str) -> list[tuple[int, str]]:
+    """Each NOTE [Title] block of a module: (its first line, its text). A block in comments runs while the
+    lines are comments; one in a docstring runs to the next blank line or the docstring's end."""
+    lines, blocks = text.splitlines(), []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped.lstrip("# ").startswith("NOTE ["):
+            continue
+        comment, j = stripped.startswith("#"), i + 1
+        while j < len(lines) and (
+            lines[j].strip().startswith("#") if comment else lines[j].strip() and '"""' not in lines[j]
+        ):
+            j += 1
+        blocks.append((i + 1, "\n".join(lines[i:j])))
+    return blocks
+
+
+#: What goes stale in a NOTE block: a date, a remark on the machine's load, a session's history.
+STALE = r"\b20\d\d-\d\d(-\d\d)?\b|\b(quiet|loaded) (\d-core )?(machine|CPU)\b|\bsession\b|\bbefore this change\b"
+
+
+def test_note_blocks_state_rules_not_dated_measurements():
+    """A NOTE states a rule and its reason; dated figures and machine remarks go to BENCHMARKS.md with their
+    command (history lives in git)."""
+    import re
+
+    found = [
+        f"{path.relative_to(SRC)}:{n}: {match[0]!r}"
+        for path in sorted(SRC.rglob("*.py"))
+        for n, block in note_blocks(path.read_text())
+        for match in re.finditer(STALE, block)
+    ]
+    assert not found, found
+
+
+def test_the_note_check_sees_a_dated_figure():
+    text = '"""Doc.\n\nNOTE [A rule]\nWhy.\nOn a quiet 2-core CPU (2026-11-23): 0.2 s.\n\nAfter."""\n# NOTE [B]\n# ok\n'
+    blocks = note_blocks(text)
+    assert [n for n, _ in blocks] == [3, 8]
+    import re
+
+    assert [m[0] for m in re.finditer(STALE, blocks[0][1])] == ["quiet 2-core CPU", "2026-11-23"]
+    assert not re.search(STALE, blocks[1][1])

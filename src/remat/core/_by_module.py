@@ -4,8 +4,8 @@ NOTE [Selective by module]
 Op-level selective checkpointing (torch's selective-checkpoint dispatch mode) runs a
 Python ``__torch_dispatch__`` on every op of the block, in forward and in recompute:
 tens of microseconds per op. Where steps are fast (bf16 on a GPU, small layers, tiny
-tensors on CPU) that costs more than recomputing everything (Llama 4x1024 bf16 on an
-H100: selective 3.12x, full 1.91x).
+tensors on CPU) that costs more than recomputing everything (on the small bf16 Llama of
+``benchmarks/gpu-truth/``, every block op-level selective is slower than every block full).
 
 Most blocks have module structure that says the same thing for free. The first
 selective call of a block still runs op-level (correct whatever the block is) and,
@@ -80,8 +80,8 @@ def by_module_allowed() -> bool:
 # step where it learns. The profile's selective-ops traced step is such a step (NOTE [selective-ops
 # traces selective's learning] in remat.profiling._schedule) and must run op-level throughout, as
 # every selective-ops step does: within ``learned_at_exit`` what a call learns is remembered only on
-# leaving, so every call inside is a first call (measured on a block called twice: predicted 2.0%
-# under the measured peak of selective-ops before).
+# leaving, so every call inside is a first call (otherwise a block called twice would run its second
+# call by module, and the profile would predict selective-ops' peak below the measured one).
 @contextlib.contextmanager
 def learned_at_exit() -> Iterator[None]:
     """Within: what selective's first calls learn is remembered on leaving (NOTE above); dropped on an error."""

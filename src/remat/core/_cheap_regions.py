@@ -242,8 +242,8 @@ def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]
 # NOTE [Outputs recomputed for their consumers]
 # A Linear after a norm saves the norm's output for its weight gradient; the MLP's
 # product saves its activation's output. Op-level selective recomputes those; a region
-# that kept its output would keep them all (Llama 16x2048 fp32 every block: 22964 MiB
-# by module against 19350 op by op, fake H100; 20694 with this). So while a block runs the fast path,
+# that kept its output would keep them all, and hold more than op-level selective on a
+# transformer whose every block is selective. So while a block runs the fast path,
 # saved-tensor hooks around the whole block (one Python call per saved tensor, not per
 # op) swap every saved tensor on a region output's storage for a handle
 # (``_OutputView``: the region and the view's geometry), and the region drops its own
@@ -251,8 +251,8 @@ def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]
 # inputs stay for that: alive anyway where the region saves them, as a norm does) and
 # the output is let go after the last consumer's unpack. Only while the output is
 # unchanged: an op in place on it since (ResNet's ReLU(inplace=True) after a BatchNorm)
-# changed what is saved, and rerunning the region gave the values before it (wrong
-# gradients before this check). Under autocast a Linear saves
+# changed what is saved, and rerunning the region would give the values before it
+# (wrong gradients). Under autocast a Linear saves
 # its own copy of the output in the autocast dtype: a saved tensor whose autograd
 # history is views of such a copy (``ToCopyBackward0`` of a region output) is made
 # again the same way, so it is not kept either. Region calls inside the block push
@@ -263,15 +263,15 @@ def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]
 # where consumers saved it (or autocast's copies of it); it holds its inputs where its
 # module did not save them itself (a ReLU saves its output, not its input), and its
 # rerun in backward makes its output again for a moment where no consumer needed it.
-# Weighed at the end of the block's forward, when the consumers are known: the seed
-# CNN's ReLUs kept their inputs for nothing (38.9 MiB against keep's 30.9) and
-# ResNet's BatchNorms freed only their statistics (202.9 MiB against 202.3) before.
+# Weighed at the end of the block's forward, when the consumers are known: unweighed,
+# the seed CNN's ReLU regions keep their inputs for nothing (a peak above keep's) and
+# ResNet's BatchNorm regions free only their statistics.
 # Until then everything is held as the unwrapped module holds it: what its consumers
 # saved stays in their handles, and inputs the module did not save are held weakly
 # unless what it saved besides its output already outweighs them (GELU under autocast
 # keeps an fp32 copy of its bf16 input); a region whose input died cannot be rerun and
-# keeps everything (holding them to the block's end put the seed CNN at 283.4 MiB
-# against 243.7). Where it does not pay, the region keeps everything, as the module
+# keeps everything (holding them to the block's end raises the seed CNN's peak).
+# Where it does not pay, the region keeps everything, as the module
 # would unwrapped, and its consumers' handles hand back what they saved.
 @dataclass
 class _OutputView:

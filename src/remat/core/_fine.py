@@ -2,14 +2,15 @@
 
 NOTE [Why a recomputed block's sub-layers are checkpointed too]
 With every block ``full``, what is left of a transformer's peak (GPT-2, Llama in the
-zoo) is not the stored block inputs (2 MiB a block at the zoo's defaults) but
+zoo) is not the stored block inputs (a small share of it) but
 parameters, gradients, and one block's backward: its recomputation keeps every
-intermediate of the block (82 MiB for GPT-2's block) until that block's backward has
+intermediate of the block until that block's backward has
 run through them. Nested segments of blocks cannot lower that. Checkpointing the
 block's sub-layers (its children that are themselves containers: attention, MLP)
 inside the block's region can: the block's recomputation then keeps only the
 sub-layers' inputs, and each sub-layer is recomputed in turn during the block's
-backward, so the transient is one sub-layer's (GPT-2: 270.8 -> 236.8 MiB). It costs
+backward, so the transient is one sub-layer's (the zoo's GPT-2 and Llama: BENCHMARKS.md,
+``benchmarks/nested.py --fine``, every block full against full-fine). It costs
 one more forward of each sub-layer. Both levels are remat's own non-reentrant regions
 (NOTE [Regions inside regions] in ``remat.core.checkpoint``), so gradients, RNG replay
 and buffers keep their guarantees. Leaf children (norms, activations, dropout) are left

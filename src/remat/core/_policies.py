@@ -49,10 +49,9 @@ def _save_compute_intensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Che
 # than to recompute: NOTE [Selective by module]). Under compile "selective" is torch's op-level
 # selective checkpoint, which recomputed every random op from its own functionalized generator state:
 # correct, but drawing random numbers again is real work (CPU generators draw element by element).
-# It keeps them instead, as eager does. Measured on benchmarks/compile_budget.py's ViT (aot_eager, CPU,
-# every block selective): 1.20x at 0.729 of the compiled peak without checkpointing when recomputed,
-# 1.06x at 0.809 when kept (compile's own budget 0.8: 0.99x at 0.809). A kept random op is also off the
-# path of compiled recomputation of random ops (its own RNG stream on CUDA; torch issue #198333 on 2.13).
+# It keeps them instead, as eager does (drawing them again made every block selective clearly slower on
+# the ViT of benchmarks/compile_budget.py, which has dropout). A kept random op is also off the
+# path of compiled recomputation of random ops (its own RNG stream on CUDA; pytorch/pytorch#198333).
 # "full" recomputes everything, random ops included, as in eager.
 def _save_compute_intensive_and_random(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS or draws_random(op) else CheckpointPolicy.PREFER_RECOMPUTE

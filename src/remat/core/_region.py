@@ -28,7 +28,7 @@ NOTE [Watching only when needed]
 The first forward of a callable (a wrapped module, a function) runs under a
 dispatch mode that copies a watched storage right before its first in-place
 write (copy-on-write). A Python dispatch mode costs tens of microseconds per op
-(measured on ResNet blocks: +1.5-2.5 ms on a 16 ms forward), so the region
+(about a tenth of a ResNet block's forward on CPU), so the region
 remembers what that first forward wrote (``Learned``). Later forwards of the
 same callable that write no input run without the mode: buffers are copied when
 their module is entered (those the first call wrote, and any up to

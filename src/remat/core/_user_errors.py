@@ -2,7 +2,7 @@
 
 NOTE [Which step, which block]
 ``remat.profile``, ``remat.measure`` and ``remat.auto`` run training steps of the
-user's model; an exception from it used to come out raw, with nothing to say it
+user's model; an exception from it, passed on raw, would say nothing of it having
 happened inside remat's step, in which block, or that the model was restored. The
 error is wrapped in a RematError naming the step and the innermost module of the
 model on the traceback (and the block it belongs to), with the original as

@@ -53,11 +53,9 @@ exceeds its budget in the model; the exact walk (``simulate``) gives the predict
 Each ``best(s, e)`` takes all its first items at once (arrays over the policies and over the split k,
 times the GRID budgets): O(n^2) numpy steps, O(n^3 GRID) work. A plan reads its budget and the budgets
 around it from one table (``remat.planning._nested_plan``), and the floor needs no table search (NOTE
-[The floor without a grid] there). On a synthetic chain (2-core CPU, 2026-11-23) the floor and one plan
-take 0.16 + 0.04 s for 24 blocks, 0.7 + 0.3 s for 48, 1.2 + 0.7 s for 64, 4.9 + 3.3 s for 128 (before:
-0.36 + 0.45, 1.6 + 1.5, 3.5 + 5.9 s, 128 not tried): nested plans are made for chains of at most
-``MAX_BLOCKS`` blocks (the tables then hold about 170 MB), and by ``remat.plan`` only below the
-one-level floor.
+[The floor without a grid] there). The work grows as n^3, so nested plans are made for chains of at
+most ``MAX_BLOCKS`` blocks (the tables then hold about 170 MB; planning times per chain length:
+``benchmarks/planning_time.py``, BENCHMARKS.md), and by ``remat.plan`` only below the one-level floor.
 
 NOTE [Who frees a shared output]
 A block's output is often saved both by the block (a ReLU keeps its output) and by
@@ -67,9 +65,9 @@ forward plus backward delta depends on its neighbour's policy (``Costs.holds``).
 DP bounds what the blocks after s leave at s's backward by the most, per block, of
 its delta with that sharing moved to the block that holds the output (``held``), and
 adds block s's own share for its policy. Taking the most of the raw deltas per block
-instead counted each shared output twice on a flat chain (Conv, BatchNorm, ReLU
-as single layers): one more output per three layers, so no time table fitted below
-the baseline while the floor was a fifth of it.
+instead counts each shared output twice on a flat chain (Conv, BatchNorm, ReLU
+as single layers): one more output per three layers, enough that no time table fits
+below the baseline where the floor is a fifth of it.
 
 NOTE [What the parent does with a block's output]
 A segment hands the parent, for each of its blocks but the last, the segment's output

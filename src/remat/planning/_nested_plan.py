@@ -2,9 +2,9 @@
 
 NOTE [The floor without a grid]
 The least peak of any nested plan is the least budget at which the DP of NOTE [The
-nested DP] (``remat.planning._nested``) finds one. A search over budgets, one table
-each, took 10 tables (1.3 s for 48 blocks on a quiet 2-core CPU) and stopped above the
-floor where rounding refused the budgets near it. The same recursion with the budget as
+nested DP] (``remat.planning._nested``) finds one. A search over budgets needs a table
+per budget tried, and stops above the floor where rounding refuses the budgets near
+it. The same recursion with the budget as
 the unknown needs no grid: ``need(s, e)``, the fewest bytes above the live bytes at s
 that blocks s..e-1 and their tail need, is the least over first items of the most of
 what that item asks (its peaks, its backward after the rest's gradients) and what

@@ -166,7 +166,7 @@ class Recompute:
 
 # NOTE [Where a recomputation runs]
 # A recomputation moved into a segment taken from another policy's run (an aux output's
-# backward reaching into a block early) was charged at that segment's peak: safe, but up
+# backward reaching into a block early), charged at that segment's peak, is safe but up
 # to 30% over on generated models with aux losses. Ops run in the same order in every
 # policy's run outside recomputations, so the number of allocating ops before a
 # recomputation began is a position that holds in every run. The recorder keeps each
@@ -176,8 +176,8 @@ class Recompute:
 # position, and keeps the segment's excess for every (q, m). What a recomputation rebuilt
 # can be freed again later in the same segment (the aux backward used it and let go):
 # those frees go with it, out of q's replay and into m's, and the walk moves only what
-# it leaves live at the segment's end (``Recompute.kept``; measured: 8192 B under on a
-# shared-tensor model with an aux output before). Done where one such recomputation
+# it leaves live at the segment's end (``Recompute.kept``; moving all of it predicts a
+# shared-tensor model with an aux output under its measured peak). Done where one such recomputation
 # runs in the segment (two would interact, also two of one block called twice);
 # elsewhere the safe charge stays.
 Trajectory = list[tuple[int, int, int]]

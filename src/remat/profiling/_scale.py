@@ -1,8 +1,8 @@
 """A profile for another batch size, from two real profiles of the same model.
 
 NOTE [Profiles across batch sizes]
-The max-batch search used to profile the model again at every batch size it tried
-(three traced and several timed steps each). Every activation, gradient of an
+Profiling the model again at every batch size the max-batch search tries would cost
+three traced and several timed steps each. Every activation, gradient of an
 activation and input scales with the batch, parameters and their gradients do not,
 so each byte count of a profile (a segment's delta, the live bytes at a crossing
 storage's free, a block's input and output) is affine in the batch where the shapes

@@ -25,9 +25,9 @@ def young_collections() -> Iterator[None]:
     NOTE [A garbage collection per traced step]
     Each traced step starts with ``gc.collect()`` so that cyclic garbage of the previous step is gone
     before counting (and a collection is less likely to fire inside the step). On a process that
-    imported ``transformers`` a full collection walks millions of objects: 0.25-0.3 s, as long as a
-    training step of a small GPT. Freezing the heap that existed before the profile (after one full
-    collection) makes the later ones walk only the objects made since: 0.2 ms. Left alone when the
+    imported ``transformers`` a full collection walks millions of objects, as long as a training step
+    of a small GPT. Freezing the heap that existed before the profile (after one full collection)
+    makes the later ones walk only the objects made since, a thousandth of that. Left alone when the
     caller froze objects of its own, which unfreezing would release.
     """
     gc.collect()
