@@ -1,4 +1,4 @@
-"""remat beside today's options on every zoo model; writes BENCHMARKS.md and Pareto plots.
+"""remat beside today's options on every zoo model; writes its section of BENCHMARKS.md and Pareto plots.
 
     python benchmarks/bench.py                 # zoo defaults (about 20 minutes on 2 cores)
     python benchmarks/bench.py --quick         # small sizes, a minute or two
@@ -12,6 +12,8 @@ import argparse
 import os
 import pathlib
 import sys
+
+import _sections
 
 from remat.bench import max_batch, run_bench
 from remat.bench._report import plot
@@ -38,7 +40,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--plots", type=pathlib.Path, default=ROOT / "docs")
     args = parser.parse_args()
-    command = "python " + " ".join(["benchmarks/bench.py", *sys.argv[1:]])
+    command = _sections.command_line()
 
     def progress(text: str, done: int, total: int) -> None:
         print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
@@ -52,7 +54,7 @@ def main() -> None:
         progress=progress,
         command=command,
     )
-    sections = ["# Benchmarks", "", report.markdown()]
+    sections = [*_sections.header("remat beside today's options (zoo models)"), report.markdown()]
     for name in args.max_batch:
         from remat.bench import QUICK
 
@@ -66,20 +68,8 @@ def main() -> None:
         sections += ["", f"### max batch: {name}", "", result.markdown()]
     paths = plot(report, args.plots)
     sections += ["", "Plots: " + ", ".join(f"[{p.stem}]({os.path.relpath(p, args.out.parent)})" for p in paths)]
-    args.out.write_text(_replace_own_part(args.out, "\n".join(sections) + "\n"))
+    _sections.write(__file__, sections, path=args.out)  # the other benchmarks' sections are kept
     print("\n".join(sections))
-
-
-# What this script writes sits between these lines; the other benchmarks' sections below it are kept.
-BEGIN, END = "<!-- benchmarks/bench.py writes from here -->", "<!-- benchmarks/bench.py wrote up to here -->"
-
-
-def _replace_own_part(path: pathlib.Path, text: str) -> str:
-    own = f"{BEGIN}\n{text}{END}\n"
-    old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        return old[: old.index(BEGIN)] + own + old[old.index(END) + len(END) + 1 :]
-    return own + ("\n" + old if old else "")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/compile_budget.py                        # gpt2, llama, vit; aot_eager
     PYTHONPATH=src python benchmarks/compile_budget.py --models gpt2 --backend inductor --rounds 7
+    PYTHONPATH=src python benchmarks/compile_budget.py --write   # also into BENCHMARKS.md, one section per backend
 
 Per zoo model (small sizes, below; GPT-2 and ViT with dropout 0.1):
 
@@ -33,14 +34,16 @@ import statistics
 import time
 from typing import Any
 
+import _sections
 import torch
 
 import remat
 from remat import zoo
 from remat.bench._rounds import interleaved_rounds, ratio_to
+from remat.core._loop import Loop
 from remat.core._step import training_step
 from remat.core.measure import measure_peak
-from remat.planning.apply import _compiled_profile
+from remat.planning._verify import _compiled_profile
 from remat.profiling._format import human_bytes
 
 SIZES = {
@@ -134,7 +137,7 @@ def remat_sweep(built: zoo.ZooModel, backend: str, points: int, planner: str) ->
     checkpointing); ``"eager"``: planned with the eager profile (budgets: fractions of the eager peak)."""
     prof = remat.profile(built.model, built.inputs, built.loss_fn)
     if planner == "compiled":
-        prof, _, _ = _compiled_profile(built.model, built.inputs, built.loss_fn, prof, backend)
+        prof, _, _ = _compiled_profile(built.model, built.inputs, built.loss_fn, prof, backend, Loop())
         remat.remove(built.model)
     floor = remat.plan(prof, strategy="none", nested=False).min_peak_bytes / prof.baseline_peak_bytes
     fractions = [floor + (1 - floor) * i / (points - 1) for i in range(points)]
@@ -235,7 +238,14 @@ def main() -> None:
         default="compiled",
         help="plan remat's sweep for compiled peaks (as remat.auto(compiled=...)) or eager ones",
     )
+    _sections.add_write_option(parser)
     args = parser.parse_args()
+    title = f"remat under torch.compile against compile's activation_memory_budget ({args.backend})"
+    with _sections.recorded(__file__, title, write_to=args.write, part=args.backend):
+        _tables(args)
+
+
+def _tables(args: argparse.Namespace) -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     budgets = [1.0, *(b for b in budgets if b != 1.0)]  # the reference first
     # Every setup is its own model copy: more compiled versions of one forward than dynamo's default 8.

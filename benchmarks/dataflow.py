@@ -2,6 +2,7 @@
 
     python benchmarks/dataflow.py                      # every family, 20 budgets (about 2 minutes on 2 cores)
     python benchmarks/dataflow.py --families t5 --budgets 8 --auto-budgets 2
+    python benchmarks/dataflow.py --write              # also into BENCHMARKS.md (``benchmarks/_sections.py``)
 
 Families, built from tiny configs with random weights (nothing is downloaded), each
 fed a batch dict with ``labels`` so that ``output.loss`` is the loss, in training mode
@@ -44,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import _sections
 import torch
 from torch import nn
 
@@ -340,8 +342,14 @@ def main() -> None:
         default=1,
         help="torch threads (peaks do not depend on it; 2 threads on 2 shared cores ran 100x slower)",
     )
+    _sections.add_write_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    with _sections.recorded(__file__, "Budget sweeps on models that are not chains", write_to=args.write):
+        _sweeps(args)
+
+
+def _sweeps(args: argparse.Namespace) -> None:
     import transformers
 
     print(

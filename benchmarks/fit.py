@@ -12,9 +12,7 @@ Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
   timed in alternation, ``--rounds`` times, medians of each (the machine's load drifts alike for both);
 * what auto chose and how many real steps it verified with.
 
-``--write`` puts the table into BENCHMARKS.md between the markers
-``<!-- benchmarks/fit.py writes from here -->`` and ``<!-- benchmarks/fit.py wrote up to here -->``
-(appended at the end the first time).
+``--write`` puts the table into BENCHMARKS.md between this script's markers (``benchmarks/_sections.py``).
 """
 
 from __future__ import annotations
@@ -101,9 +99,8 @@ QUICK = {
     },
 }
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import _sections  # noqa: E402  (this folder's writer of BENCHMARKS.md)
 from _device import SimulatedDevice  # noqa: E402  (the fit tests' device: real storages, fake tensors not counted)
-
-BEGIN, END = "<!-- benchmarks/fit.py writes from here -->", "<!-- benchmarks/fit.py wrote up to here -->"
 
 
 def _auto(zoo, budget: int) -> remat.Plan:
@@ -176,27 +173,8 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
     return lines
 
 
-def _write(lines: list[str], command: str) -> None:
-    path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-    text = path.read_text() if path.exists() else ""
-    section = "\n".join(
-        [
-            BEGIN,
-            "",
-            "## remat.auto on a device the step does not fit",
-            "",
-            f"`{command}` on {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads.",
-            "",
-            *lines,
-            "",
-            END,
-        ]
-    )
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+def _write(lines: list[str]) -> None:
+    _sections.write(__file__, [*_sections.header("remat.auto on a device the step does not fit"), *lines])
 
 
 def main() -> None:
@@ -211,7 +189,7 @@ def main() -> None:
     print(f"# {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     lines = rows(sizes, (0.8, 0.6), args.rounds)
     if args.write:
-        _write(lines, "python benchmarks/fit.py" + (" --quick" if args.quick else ""))
+        _write(lines)
 
 
 if __name__ == "__main__":

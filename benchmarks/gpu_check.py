@@ -13,8 +13,9 @@ forward under bf16 autocast):
 * without CUDA: says so, and compares the fake profiles with the file's own
   measurements (peaks and step-time ratios), plus what each budget's plan predicts.
 
-Prints markdown tables with the device, torch, CUDA and transformers versions. No
-network is needed (zoo models have random weights).
+Prints markdown tables with the device, torch, CUDA and transformers versions; ``--write``
+puts them into BENCHMARKS.md (``benchmarks/_sections.py``). No network is needed (zoo models
+have random weights).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import _sections
 import torch
 
 import remat
@@ -114,15 +116,16 @@ def cpu_part(files: list[str], configs: list[str] | None) -> None:
                     f"({_lowest(prof)}) | | | | {took:.0f} s |"
                 )
                 continue
-            counts = {p: list(plan.assignment.values()).count(p) for p in ("keep", "selective", "full")}
+            chosen = list(plan.assignment.values())
+            counts = ", ".join(f"{chosen.count(p)} {p}" for p in dict.fromkeys(sorted(chosen)))
             plans.append(
                 f"| {name} | {label} | {fraction} | {human_bytes(plan.budget_bytes)} | "
                 f"{human_bytes(plan.predicted_peak_bytes)} | {1 + plan.predicted_overhead:.3f} | "
-                f"{counts['keep']}/{counts['selective']}/{counts['full']} | {took:.0f} s |"
+                f"{counts} | {took:.0f} s |"
             )
     print("\nPlans from the fake profiles (not measured: no GPU here):\n")
     print(
-        "| file | config | budget | bytes | predicted peak | predicted time ratio | keep/selective/full "
+        "| file | config | budget | bytes | predicted peak | predicted time ratio | blocks per policy "
         "| fake profile took |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -183,7 +186,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", nargs="*", default=list(FILES), choices=list(FILES))
     parser.add_argument("--configs", nargs="*", help="configuration labels (default: all)")
+    _sections.add_write_option(parser)
     args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    title = "GPU check: " + ("measured on this GPU" if cuda else "fake H100 profiles against the H100 measurements")
+    with _sections.recorded(__file__, title, write_to=args.write, part="cuda" if cuda else "cpu", cuda=cuda):
+        _check(args)
+
+
+def _check(args: argparse.Namespace) -> None:
     print(versions() + "\n")
     if torch.cuda.is_available():
         gpu_part(args.files, args.configs)

@@ -1,4 +1,4 @@
-"""The memory-time curve of remat's plans down to the nested floor (issue #19).
+"""The memory-time curve of remat's plans down to the nested floor.
 
 Per budget (a fraction of the un-checkpointed peak): measured peak, predicted peak, the
 error, the number of nested segments, and the step-time ratio against no checkpointing
@@ -10,6 +10,8 @@ nested floor, with the one-level floor and the every-block-full point among them
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vit --set layers=6 --set batch=2
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2 --fine   # also policy full-fine
+
+``--write`` puts the output into BENCHMARKS.md, one section per model and ``--set`` (``benchmarks/_sections.py``).
 
 Before the table it says where the peak of every block ``full`` (and ``full-fine``) sits: the segment,
 the resting bytes (parameters, buffers, inputs), what else is live at its start (gradients made so far,
@@ -24,6 +26,7 @@ import statistics
 import time
 from typing import Any
 
+import _sections
 import torch
 from torch import nn
 
@@ -33,7 +36,7 @@ from remat.planning._nested_plan import nested_floor
 
 
 def conv_chain(channels: int = 64, blocks: int = 8) -> nn.Sequential:
-    """Issue #19's chain: a stem and ``blocks`` conv-BN-ReLU blocks."""
+    """A stem and ``blocks`` conv-BN-ReLU blocks: the chain remat's nested plans are set beside rotor's on."""
     layers: list[nn.Module] = [nn.Conv2d(3, channels, 3, padding=1)]
     for _ in range(blocks):
         layers.append(nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()))
@@ -105,9 +108,16 @@ def main() -> None:
         type=float,
         action="append",
         default=[],
-        help="also a budget in MiB (e.g. 58.7: rotor's point on the conv chain in issue #19)",
+        help="also a budget in MiB (e.g. 58.7: rotor's point on the conv chain)",
     )
+    _sections.add_write_option(ap)
     args = ap.parse_args()
+    part = " ".join([args.model, *(f"{k}={v}" for k, v in args.set)])  # one section per model and size
+    with _sections.recorded(__file__, f"Nested plans down to the floor: {part}", write_to=args.write, part=part):
+        _curve(args)
+
+
+def _curve(args: argparse.Namespace) -> None:
     title, model, inputs, loss_fn = _setup(args.model, dict(args.set))
     start = time.perf_counter()
     policies = ("keep", "selective", "full", *(("full-fine",) if args.fine else ()))

@@ -3,6 +3,7 @@
     PYTHONPATH=src python benchmarks/overhead.py                       # CPU: tiny GPT-2 and Llama
     PYTHONPATH=src python benchmarks/overhead.py --cuda                # the configurations of issue #16 on a GPU
     PYTHONPATH=src python benchmarks/overhead.py --set gpt2:layers=4 --rounds 12
+    PYTHONPATH=src python benchmarks/overhead.py --write              # also into BENCHMARKS.md (one section per device)
 
 Candidates, each with every block of the model wrapped (interleaved rounds, the
 order shuffled per round, median of the per-round ratio to ``keep`` with the
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _sections
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -163,9 +165,17 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="steps per candidate per round (median taken)")
+    _sections.add_write_option(parser)
     args = parser.parse_args()
     if args.cuda and not torch.cuda.is_available():
         parser.error("--cuda: no CUDA device")
+    part = "cuda" if args.cuda else "cpu"
+    title = f"remat's own cost per block call ({part.upper()})"
+    with _sections.recorded(__file__, title, write_to=args.write, part=part, cuda=args.cuda):
+        _table(args)
+
+
+def _table(args: argparse.Namespace) -> None:
     if not args.cuda:
         torch.set_num_threads(1)
     configs = CUDA_CONFIGS if args.cuda else CPU_CONFIGS

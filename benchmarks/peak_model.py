@@ -2,6 +2,7 @@
 
     python benchmarks/peak_model.py            # zoo defaults (a few minutes on 2 cores)
     python benchmarks/peak_model.py --quick    # small sizes, seconds
+    python benchmarks/peak_model.py --write    # also into BENCHMARKS.md (``benchmarks/_sections.py``)
 
 Prints a markdown table: the profile's predicted peak, ``remat.measure``'s
 measured peak and the error, for no checkpointing, full recompute on every
@@ -16,6 +17,7 @@ import platform
 import random
 import time
 
+import _sections
 import torch
 
 import remat
@@ -65,7 +67,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--models", nargs="*", default=names())
+    _sections.add_write_option(parser)
     args = parser.parse_args()
+    sizes = "quick sizes" if args.quick else "zoo defaults"
+    with _sections.recorded(__file__, f"Predicted against measured peaks ({sizes})", write_to=args.write, part=sizes):
+        _table(args)
+
+
+def _table(args: argparse.Namespace) -> None:
     print(
         f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
         f"{'quick sizes' if args.quick else 'zoo defaults'}\n"

@@ -5,13 +5,16 @@
 Per chain: whether nested plans apply (chains of at most ``MAX_BLOCKS`` blocks), the lowest peak one
 level deep and nested (fractions of the peak without checkpointing), the first ``remat.plan`` (it also
 finds the floor, once per profile) and the median of four later plans at budgets from 0.8 to 0.35 of
-the peak (above the floor).
+the peak (above the floor). ``--write`` puts the table into BENCHMARKS.md (``benchmarks/_sections.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+
+import _sections
 
 import remat
 from remat.planning._nested import MAX_BLOCKS
@@ -19,6 +22,14 @@ from remat.planning._synthetic import synthetic_profile
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _sections.add_write_option(parser)
+    args = parser.parse_args()
+    with _sections.recorded(__file__, "Planning time on synthetic chains", write_to=args.write):
+        _table()
+
+
+def _table() -> None:
     print("| blocks | nested | one-level floor | lowest | first plan (with the floor) | later plans, median |")
     print("|---|---|---|---|---|---|")
     for n in (24, 48, 64, 100, 128, 200):

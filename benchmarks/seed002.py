@@ -1,6 +1,6 @@
 """Seed 002's model at its own size: ``remat.auto`` on a forward with no submodules, traced and cut.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/seed002.py [LOOPS] [OPS]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/seed002.py [LOOPS] [OPS] [--write]
 
 ``HeavyModel``'s forward loops ``heavy_function`` LOOPS times (1000), each OPS ops (100): 100,000 ops
 on a scalar, with ``*`` for the seed's ``+`` (an add keeps nothing for backward, a mul keeps its
@@ -11,10 +11,11 @@ and how long ``remat.profile`` and ``remat.auto`` took, in seconds and in units 
 
 from __future__ import annotations
 
+import argparse
 import copy
-import sys
 import time
 
+import _sections
 import torch
 from torch import nn
 
@@ -49,7 +50,17 @@ def step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Te
 
 
 def main() -> None:
-    loops, ops = (int(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else (1000, 100)))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("loops", type=int, nargs="?", default=1000)
+    parser.add_argument("ops", type=int, nargs="?", default=100)
+    _sections.add_write_option(parser)
+    args = parser.parse_args()
+    title = "A forward with no submodules, traced and cut (seed 002's model)"
+    with _sections.recorded(__file__, title, write_to=args.write):
+        _run(args.loops, args.ops)
+
+
+def _run(loops: int, ops: int) -> None:
     torch.manual_seed(0)
     model, x = make_model(loops, ops), torch.tensor(0.5)
     plain = copy.deepcopy(model)

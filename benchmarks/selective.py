@@ -6,7 +6,7 @@ Every block of a zoo model under one policy: keep (no checkpointing), full, op-l
 ratio to keep's in the same round, and the peak from remat.measure. Tiny tensors on a CPU stand in
 for a fast GPU step (Python overhead dominates). Run:
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/selective.py [--rounds 15]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/selective.py [--rounds 15] [--write]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import contextlib
 from typing import Any
 
+import _sections
 import torch
 
 import remat
@@ -103,7 +104,13 @@ def run(label: str, name: str, options: dict[str, int], rounds: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
+    _sections.add_write_option(parser)
     args = parser.parse_args()
+    with _sections.recorded(__file__, "Selective by module against op-level selective", write_to=args.write):
+        _table(args)
+
+
+def _table(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, {args.rounds} interleaved rounds, median time ratio to keep; peak (KiB)")
     print("| model | " + " | ".join(SETUPS) + " |")
