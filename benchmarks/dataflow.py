@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import _sections
 import torch
 from torch import nn
 
@@ -342,6 +341,8 @@ def main() -> None:
         default=1,
         help="torch threads (peaks do not depend on it; 2 threads on 2 shared cores ran 100x slower)",
     )
+    import _sections  # here, not at the top: tests/planning/test_families.py imports this file for its families
+
     _sections.add_write_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
