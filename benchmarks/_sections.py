@@ -53,7 +53,7 @@ def device(cuda: bool = False) -> str:
         return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (
-        f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
+        f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), "
         f"load average {load:.1f} at the start"
     )
 
