@@ -52,14 +52,13 @@ _FAST_FILES = {
     "core/test_timing.py",
     "core/test_torch_options.py",
     "core/test_torch_suite.py",
-    "profiling/test_scale.py",
-    "profiling/test_schedule.py",
     "profiling/test_shadow.py",
     "profiling/test_trace.py",
     "profiling/test_workspace.py",
     "profiling/test_cuda_kernels.py",
     "profiling/test_cuda_autocast.py",
     "test_api.py",
+    "test_benchmarks_doc.py",
     "test_house.py",
 }
 
