@@ -28,22 +28,20 @@ below the minimum) are sent too, so every rank raises instead of waiting forever
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from remat.core._conflicts import check_no_double_checkpointing
-from remat.core._memtrack import empty_device_cache
 from remat.errors import RematError
-from remat.planning.apply import apply, device_target, remove
-from remat.planning.plan import Plan, parse_budget
+from remat.planning._within import profile_within
+from remat.planning.apply import apply, remove
+from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._types import Profile
@@ -143,9 +141,13 @@ def auto(
     remove(target)
 
     def run() -> Profile:
-        if is_sharded(target) or profile_options.get("fake") or budget is None:
+        if is_sharded(target):
             return make_profile(target, inputs, loss_fn, **profile_options)
-        return _profile_within(target, inputs, loss_fn, budget, ddp, profile_options)
+        # NOTE [Rank 0 profiles within the budget]
+        counted = _with_ddp_buckets if ddp else None
+        return profile_within(
+            target, inputs, loss_fn, budget, api="remat.distributed.auto", options=profile_options, counted=counted
+        ).profile
 
     chosen = plan_on_rank0(run() if is_sharded(target) else run, budget, group=group, ddp=ddp)
     apply(target, chosen)
@@ -155,32 +157,8 @@ def auto(
 # NOTE [Rank 0 profiles within the budget]
 # Rank 0 profiles the unwrapped module with real steps, the step without
 # checkpointing among them; on a device that step does not fit, it would die of
-# out-of-memory (and leave the other ranks waiting for its plan). So it profiles on
-# fake tensors first (nothing allocated) and, when the step without checkpointing
-# (DDP's buckets included) is predicted over the per-rank budget, or the real
-# profile runs out of memory, plans on the fake one (NOTE [Within the budget] in
-# remat.planning.apply). Sharded models profile inside the process group, for real:
-# fake tensors do not run FSDP's collectives.
-def _profile_within(
-    target: nn.Module, inputs: Any, loss_fn: Any, budget: Any, ddp: bool, profile_options: dict
-) -> Profile:
-    options = {k: v for k, v in profile_options.items() if k not in ("warmup", "repeat")}
-    try:
-        fake = make_profile(
-            target, inputs, loss_fn, **{**options, "fake": True, "target": device_target(target, inputs)}
-        )
-    except RematError as exc:
-        log.info("remat.distributed.auto: fake tensors cannot run this model (%s): profiled on real tensors.", exc)
-        return make_profile(target, inputs, loss_fn, **profile_options)
-    counted = _with_ddp_buckets(fake) if ddp else fake
-    if counted.baseline_peak_bytes > parse_budget(budget, counted.baseline_peak_bytes):
-        log.info("remat.distributed.auto: the step without checkpointing is over the budget: planned on fake tensors.")
-        return fake
-    try:
-        return make_profile(target, inputs, loss_fn, **profile_options)
-    except torch.OutOfMemoryError:  # the profile restored the model
-        pass
-    gc.collect()
-    empty_device_cache()
-    log.warning("remat.distributed.auto: the real profile ran out of device memory: planned on fake tensors.")
-    return fake
+# out-of-memory (and leave the other ranks waiting for its plan). So it profiles
+# within the budget as remat.auto does (NOTE [Within the budget] in
+# remat.planning._within), DDP's buckets counted in the step without checkpointing.
+# Sharded models profile inside the process group, for real: fake tensors do not run
+# FSDP's collectives.

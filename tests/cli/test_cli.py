@@ -145,6 +145,24 @@ MODELS = '''
     def broken():
         torch.manual_seed(0)
         return Broken(), torch.randn(4, 8)
+
+
+    class Host(nn.Module):
+        """Reads a value back to the host in forward (.item()), which fake tensors cannot answer."""
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x / (1.0 + x.detach().abs().max().item())
+
+
+    def host():
+        torch.manual_seed(0)
+        return Host(), torch.randn(64, 32)
 '''
 
 
@@ -484,6 +502,58 @@ def test_hand_made_plan_over_the_budget_is_said(models, monkeypatch, capsys):
     assert plan.predicted_peak_bytes > plan.budget_bytes
     warning = [line for line in err.splitlines() if line.startswith("remat: warning:")]
     assert len(warning) == 1 and "over the budget" in warning[0] and str(plan.predicted_peak_bytes) in warning[0]
+
+
+def _plan_in_process(monkeypatch, capsys, models, *command):
+    """``remat plan`` run by ``main`` here: (the plan it printed, stderr, whether each profile was fake)."""
+    from remat.cli import main
+
+    monkeypatch.chdir(models)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    kinds, profile = [], remat.profile
+    monkeypatch.setattr(remat, "profile", lambda *a, **k: kinds.append(bool(k.get("fake"))) or profile(*a, **k))
+    code = main(["plan", *command, *FAST, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return remat.Plan.from_json(out), err, kinds
+
+
+def test_plan_budget_profiles_for_real_a_model_fake_tensors_cannot_run(models, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(models))
+    from models import host
+
+    model, x = host()
+    with pytest.raises(remat.RematError, match="depends on tensor values"):
+        remat.profile(model, x, fake=True)
+    api = remat.profile(model, x, repeat=1)
+    budget = (remat.plan(api, strategy="none").min_peak_bytes + api.baseline_peak_bytes) // 2
+    plan, _, kinds = _plan_in_process(monkeypatch, capsys, models, "models.py:host", "--budget", f"{budget}B")
+    assert kinds == [True, False]  # the fake profile failed; the real one was made and planned on
+    assert plan.budget_bytes == budget and plan.checkpointed
+    assert plan.min_peak_bytes == remat.plan(api, strategy="none").min_peak_bytes
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_plan_budget_stays_on_fake_tensors_when_the_real_profile_runs_out(models, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(models))
+    from models import mlp
+
+    profile = remat.profile
+
+    def real_out_of_memory(*args, **kwargs):
+        if not kwargs.get("fake"):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(remat, "profile", real_out_of_memory)
+    plan, err, kinds = _plan_in_process(monkeypatch, capsys, models, "models.py:mlp", "--budget", "1.0")
+    model, x = mlp()
+    fake = profile(model, x, fake=True)
+    assert kinds == [True, False] and not plan.checkpointed  # the step without checkpointing fits the budget
+    assert plan.budget_bytes == fake.baseline_peak_bytes
+    assert plan.min_peak_bytes == remat.plan(fake, strategy="none").min_peak_bytes
+    said = " ".join(err.split())
+    assert "The real profile ran out of device memory (budget" in said and "profiled on fake tensors" in said
 
 
 def test_policies_option_profiles_the_policies_asked_for():

@@ -11,6 +11,9 @@ try:  # the package remat.integrations.lightning takes its Callback from
 except ImportError:
     pl = pytest.importorskip("pytorch_lightning")
 
+from _within_a_device import BATCH as GPT2_BATCH  # noqa: E402
+from _within_a_device import check_trains_within_a_device, on_a_device, tiny_gpt2, token_rows  # noqa: E402
+
 import remat  # noqa: E402
 from remat.integrations.lightning import RematCallback  # noqa: E402
 
@@ -101,21 +104,8 @@ def test_lightning_callback_refuses_manual_optimization_and_loss_fn(tmp_path):
 class TinyGPT2(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            n_layer=3,
-            n_embd=32,
-            n_head=2,
-            vocab_size=64,
-            n_positions=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        self.gpt = transformers.GPT2LMHeadModel(config)
+        pytest.importorskip("transformers")
+        self.gpt = tiny_gpt2()
 
     def training_step(self, batch, batch_idx):
         loss = self.gpt(**batch).loss
@@ -128,11 +118,6 @@ class TinyGPT2(pl.LightningModule):
 
 def _fit_on_a_device(tmp_path, capacity, *callbacks):
     """The module after 3 steps of a tiny GPT-2 on a simulated device of ``capacity`` bytes, and the device."""
-    from _device import SimulatedDevice
-
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (STEPS * 4, 64), generator=g)
-    data = [{"input_ids": row, "labels": row} for row in ids]
     module = TinyGPT2()
     trainer = pl.Trainer(
         max_steps=STEPS,
@@ -144,23 +129,13 @@ def _fit_on_a_device(tmp_path, capacity, *callbacks):
         default_root_dir=str(tmp_path),
         callbacks=list(callbacks),
     )
-    device = SimulatedDevice(capacity, [*module.parameters(), *module.buffers()])
-    with device:
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
-    return module, device
+    loader = torch.utils.data.DataLoader(token_rows(), batch_size=GPT2_BATCH)
+    return module, on_a_device(capacity, module, lambda: trainer.fit(module, loader))
 
 
 def test_the_callback_plans_within_a_device_the_fit_does_not_fit(tmp_path):
     """Without checkpointing the fit needs more than the device has; with the callback it trains the same
     weights, and neither planning nor training ever holds more than the device."""
-    torch.use_deterministic_algorithms(True)
-    reference, plain = _fit_on_a_device(tmp_path / "plain", 1 << 40)
-    capacity = int(0.7 * plain.peak)
-    with pytest.raises(torch.OutOfMemoryError):
-        _fit_on_a_device(tmp_path / "refused", capacity)
-    callback = RematCallback(budget=capacity, repeat=1)
-    module, device = _fit_on_a_device(tmp_path / "remat", capacity, callback)
-    assert callback.plan.checkpointed and device.peak <= capacity, (device.peak, capacity)
-    assert callback.plan.measured_peak_bytes <= capacity
-    for (name, want), got in zip(reference.named_parameters(), module.parameters()):
-        assert torch.equal(want, got), name
+    check_trains_within_a_device(
+        lambda name, capacity, *callbacks: _fit_on_a_device(tmp_path / name, capacity, *callbacks), RematCallback
+    )

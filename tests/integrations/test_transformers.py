@@ -8,33 +8,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _within_a_device import BATCH, STEPS, check_trains_within_a_device, on_a_device, tiny_gpt2, token_rows  # noqa: E402
+
 import remat  # noqa: E402
 from remat.integrations.transformers import RematCallback  # noqa: E402
 
-SEQ, BATCH, STEPS = 64, 4, 3
-
 
 def _model():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=3,
-        n_embd=32,
-        n_head=2,
-        vocab_size=64,
-        n_positions=SEQ,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2()
 
 
 def _data():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (STEPS * BATCH, SEQ), generator=g)
-    return [{"input_ids": row, "labels": row} for row in ids]
+    return token_rows()
 
 
 class _Watch(transformers.TrainerCallback):
@@ -47,9 +32,8 @@ class _Watch(transformers.TrainerCallback):
         self.wrapped_at_step.append(sorted(n for n, m in model.named_modules() if remat.is_wrapped(m)))
 
 
-def _train(tmp_path, *callbacks, **arguments):
-    model = _model()
-    args = transformers.TrainingArguments(
+def _arguments(tmp_path, **arguments):
+    return transformers.TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
@@ -62,6 +46,11 @@ def _train(tmp_path, *callbacks, **arguments):
         data_seed=0,
         **arguments,
     )
+
+
+def _train(tmp_path, *callbacks, **arguments):
+    model = _model()
+    args = _arguments(tmp_path, **arguments)
     watch = _Watch()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=[watch, *callbacks])
     trainer.train()
@@ -165,39 +154,16 @@ def test_callback_refuses_transformers_gradient_checkpointing_and_bad_budgets(tm
 
 def _trained_on_a_device(tmp_path, capacity, *callbacks):
     """The model after ``_train`` run on a simulated device of ``capacity`` bytes, and the device."""
-    from _device import SimulatedDevice
-
     model = _model()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=STEPS,
-        per_device_train_batch_size=BATCH,
-        learning_rate=1e-2,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        seed=0,
-        data_seed=0,
+    trainer = transformers.Trainer(
+        model=model, args=_arguments(tmp_path), train_dataset=_data(), callbacks=list(callbacks)
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), callbacks=list(callbacks))
-    device = SimulatedDevice(capacity, [*model.parameters(), *model.buffers()])
-    with device:
-        trainer.train()
-    return model, device
+    return model, on_a_device(capacity, model, trainer.train)
 
 
 def test_the_callback_plans_within_a_device_the_trainer_does_not_fit(tmp_path):
     """The Trainer's loop without checkpointing needs more than the device has; with the callback it trains,
     the same weights, and neither planning nor training ever holds more than the device."""
-    torch.use_deterministic_algorithms(True)
-    reference, plain = _trained_on_a_device(tmp_path / "plain", 1 << 40)
-    capacity = int(0.7 * plain.peak)
-    with pytest.raises(torch.OutOfMemoryError):
-        _trained_on_a_device(tmp_path / "refused", capacity)
-    callback = RematCallback(budget=capacity, repeat=1)
-    model, device = _trained_on_a_device(tmp_path / "remat", capacity, callback)
-    assert callback.plan.checkpointed and device.peak <= capacity, (device.peak, capacity)
-    assert callback.plan.measured_peak_bytes <= capacity
-    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
-        assert torch.equal(want, got), name
+    check_trains_within_a_device(
+        lambda name, capacity, *callbacks: _trained_on_a_device(tmp_path / name, capacity, *callbacks), RematCallback
+    )

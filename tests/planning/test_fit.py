@@ -1,6 +1,6 @@
 """remat.auto on a device its un-checkpointed step does not fit: it never holds more than the budget.
 
-NOTE [Within the budget] in remat.planning.apply, NOTE [Out of memory is an answer] and
+NOTE [Within the budget] in remat.planning._within, NOTE [Out of memory is an answer] and
 NOTE [The step verified plans are compared with] in remat.planning._verify; the simulated
 device in tests/_device.py.
 """
@@ -263,31 +263,61 @@ def test_no_budget_off_cuda_is_refused_with_the_fix():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_budget_on_cuda_fits_the_free_memory():
-    from remat.planning.apply import _budget_of_device
+    from remat.planning._gpu_room import room_on
 
     model, x, _ = _mlp()
     model, x = model.cuda(), x.cuda()
+    room = room_on(x.device)
     free, _ = torch.cuda.mem_get_info()
-    budget = _budget_of_device(model, x)
-    assert torch.cuda.memory_allocated() < budget <= torch.cuda.memory_allocated() + free + torch.cuda.memory_reserved()
+    assert torch.cuda.memory_allocated() < room.budget_bytes < torch.cuda.memory_reserved() + free
     plan = remat.auto(model, x, None, repeat=1, warmup=0)
     remat.remove(model)
-    assert plan.budget_bytes == budget and not plan.checkpointed  # this small model fits any GPU
+    assert plan.budget_bytes <= room.budget_bytes and not plan.checkpointed  # this small model fits any GPU
+    assert plan.notes[0].startswith("budget=None") and any("caching allocator reserved" in n for n in plan.notes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_budget_fits_the_share_of_the_gpu_the_step_without_checkpointing_does_not(on_a_smaller_gpu):
+    from remat.planning._gpu_room import room_on
+
+    zoo = build("gpt2", **CUDA_ZOO["gpt2"])
+    model = zoo.model.cuda()
+    inputs = {k: v.cuda() for k, v in zoo.inputs.items()}
+    keep = remat.measure(model, inputs, warmup=0, repeat=1).peak_bytes
+    reference = _grads(model, inputs, None)
+    torch.cuda.empty_cache()
+    live = torch.cuda.memory_allocated()
+    allowed = live + int(0.75 * (keep - live))  # what the process may reserve: 3/4 of the step's room
+    on_a_smaller_gpu(allowed)
+    with pytest.raises(torch.OutOfMemoryError):
+        remat.measure(model, inputs, warmup=0, repeat=1)
+    on_a_smaller_gpu(allowed)
+    room = room_on(torch.device("cuda"))
+    assert room.capacity <= allowed + (allowed >> 10)  # the share of the total, rounded by the allocator
+    plan = remat.auto(model, inputs, None, repeat=1, warmup=0)  # every step remat runs is within the share
+    try:
+        assert plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes <= room.budget_bytes
+        assert torch.cuda.max_memory_reserved() <= room.capacity
+        assert any("caching allocator reserved" in n for n in plan.notes)
+        got = _grads(model, inputs, None)
+        assert all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)
 
 
 def test_a_real_profile_that_runs_out_of_memory_leaves_auto_on_the_fake_one(monkeypatch):
-    from remat.planning import apply as apply_module
+    from remat.planning import _within as within_module
 
     model, x, _ = _mlp()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    profile = apply_module.make_profile
+    profile = within_module.make_profile
 
     def real_out_of_memory(*args, **kwargs):
         if not kwargs.get("fake"):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return profile(*args, **kwargs)
 
-    monkeypatch.setattr(apply_module, "make_profile", real_out_of_memory)
+    monkeypatch.setattr(within_module, "make_profile", real_out_of_memory)
     plan = remat.auto(model, x, 1.0, repeat=1, warmup=0)  # the step without checkpointing fits the budget
     assert not plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())

@@ -70,47 +70,53 @@ def _blocks(text: str | None) -> str | list[str] | None:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def run_profile(args: argparse.Namespace, ui: Ui, loaded: Loaded, *, fake_for: str | None = None) -> Any:
-    """``remat.profile`` with the command line's options (``fake_for``: on fake tensors for this target)."""
-    fake, target = (True, fake_for) if fake_for else (args.fake, args.target if args.fake else None)
-    kind = f"fake tensors for {target or 'cpu'}" if fake else "measured"
-    with ui.status(f"profiling {args.model} ({kind}): one traced step per policy ..."):
-        return remat.profile(
-            loaded.model,
-            loaded.inputs,
-            loaded.loss_fn,
-            blocks=_blocks(args.blocks),
-            repeat=args.repeat,
-            fake=fake,
-            target=target,
-            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-            optimizer=make_optimizer(args.optimizer, loaded.model),
-            accumulation_steps=args.accumulation_steps,
-        )
+def _profile_options(args: argparse.Namespace, loaded: Loaded) -> dict[str, Any]:
+    """``remat.profile``'s options from the command line."""
+    return {
+        "blocks": _blocks(args.blocks),
+        "repeat": args.repeat,
+        "fake": args.fake,
+        "target": args.target if args.fake else None,
+        "policies": tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        "optimizer": make_optimizer(args.optimizer, loaded.model),
+        "accumulation_steps": args.accumulation_steps,
+    }
 
 
 def profile_within(args: argparse.Namespace, ui: Ui, loaded: Loaded) -> tuple[Any, str | None]:
-    """The profile to plan ``--budget`` on, running no real step predicted over it (NOTE [Within the budget] in
-    remat.planning.apply): on fake tensors first, then measured only if the step without checkpointing fits; and
-    a line saying so when it stayed on fake tensors (said after the result: a command that fails prints nothing
-    on stdout)."""
-    from remat.planning.apply import device_target
+    """The profile to plan ``--budget`` on, running no real step over it (NOTE [Within the budget] in
+    remat.planning._within), with a progress line per profile; and a line saying why it stayed on fake tensors
+    when it did (said after the result: a command that fails prints nothing on stdout)."""
+    from remat.planning._within import RAN_OUT, profile_within
 
-    if args.fake or args.budget is None:
-        return run_profile(args, ui, loaded), None
-    try:
-        fake = run_profile(args, ui, loaded, fake_for=device_target(loaded.model, loaded.inputs))
-    except remat.RematError:  # fake tensors cannot run this model: profiled for real, as remat.auto does
-        return run_profile(args, ui, loaded), None
-    if fake.baseline_peak_bytes <= remat.parse_budget(args.budget, fake.baseline_peak_bytes):
-        return run_profile(args, ui, loaded), None
-    note = (
-        f"The step without checkpointing is predicted at {human_bytes(fake.baseline_peak_bytes)}, over the budget "
-        f"{human_bytes(remat.parse_budget(args.budget, fake.baseline_peak_bytes))}: profiled on fake tensors (memory "
-        "exact, times from the device's roofline), so that no step over the budget ran. remat.auto verifies such a "
-        "plan with real steps within the budget."
+    def run(options: dict[str, Any]) -> Any:
+        kind = f"fake tensors for {options.get('target') or 'cpu'}" if options.get("fake") else "measured"
+        with ui.status(f"profiling {args.model} ({kind}): one traced step per policy ..."):
+            return remat.profile(loaded.model, loaded.inputs, loaded.loss_fn, **options)
+
+    within = profile_within(
+        loaded.model,
+        loaded.inputs,
+        loaded.loss_fn,
+        args.budget,
+        api=f"remat {args.name}",
+        options=_profile_options(args, loaded),
+        run=run,
     )
-    return fake, note
+    prof = within.profile
+    if within.fake_because is None:
+        return prof, None
+    budget = human_bytes(within.budget_bytes or 0)
+    fake = "profiled on fake tensors (memory exact, times from the device's roofline)"
+    if within.fake_because == RAN_OUT:
+        note = f"The real profile ran out of device memory (budget {budget}): {fake}."
+    else:
+        note = (
+            f"The step without checkpointing is predicted at {human_bytes(prof.baseline_peak_bytes)}, over the "
+            f"budget {budget}: {fake}, so that no step over the budget ran."
+        )
+    note += " remat.auto verifies such a plan with real steps within the budget."
+    return prof, note
 
 
 #: ``--optimizer``: the loop's optimizer, on the model's parameters (memory does not depend on the rates).

@@ -25,7 +25,7 @@ say what was compared.
 NOTE [The step verified plans are compared with]
 The step without checkpointing is the reference only when it fits the budget; a budget
 below its peak is the reason to checkpoint, and auto holds no more than the budget
-(NOTE [Within the budget] in remat.planning.apply). Below it, the reference is the
+(NOTE [Within the budget] in remat.planning._within). Below it, the reference is the
 lowest-peak one-level plan (every block at its lowest policy, ``full`` mostly): torch's
 checkpoint replays the RNG, so on blocks that recompute the same function it computes
 the un-checkpointed step's loss and gradients bit for bit. It is measured first, before
@@ -55,6 +55,7 @@ from remat.core.measure import compiled_peak, device_of, measure_peak
 from remat.errors import OutOfMemory as TheStepRanOut
 from remat.errors import RematError
 from remat.planning._compiled import chain_profile, design, fit, is_chain
+from remat.planning._gpu_room import reserved_note
 from remat.planning._put import put, remove
 from remat.planning.plan import Plan, parse_budget
 from remat.planning.plan import plan as make_plan
@@ -84,7 +85,7 @@ class OutOfMemory(RematError):
 # the CUDA allocator's cache emptied (its blocks would crowd the next step), and auto
 # tries a lower plan: halfway from the failed plan's predicted peak to the lowest peak,
 # then the lowest-peak plan, then a RematError with the numbers. The plan is taken off
-# the model whatever happens (NOTE [Within the budget] in remat.planning.apply).
+# the model whatever happens (NOTE [Within the budget] in remat.planning._within).
 
 
 @dataclass
@@ -101,12 +102,24 @@ class Findings:
     """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
 
 
+@dataclass(frozen=True)
+class Step:
+    """What one verification step measured."""
+
+    peak: int
+    """Allocated peak, bytes (``remat.measure``'s)."""
+    summary: Fingerprint | None = None
+    """What the step computed (None: compiled)."""
+    reserved: int | None = None
+    """The CUDA caching allocator's reserved peak, bytes (None: not CUDA, or compiled)."""
+
+
 def _measured(
     model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None = None, loop: Loop = NO_LOOP
-) -> tuple[int, Fingerprint | None]:
-    """(peak, summary of what the step computed) of one real step of ``loop`` with ``plan`` applied, in the
-    plan's mode (compiled with ``backend`` if given, then without a summary); model and optimizer restored.
-    A step that runs out of device memory raises :class:`OutOfMemory` (NOTE [Out of memory is an answer])."""
+) -> Step:
+    """One real step of ``loop`` with ``plan`` applied, in the plan's mode (compiled with ``backend`` if given,
+    then without a summary); model and optimizer restored. A step that runs out of device memory raises
+    :class:`OutOfMemory` (NOTE [Out of memory is an answer])."""
     try:
         return _step(model, inputs, loss_fn, plan, backend, loop)
     except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is the same class
@@ -127,9 +140,7 @@ def out_of_memory_reason(exc: BaseException) -> str:
     return said.splitlines()[0] if said else "no message"
 
 
-def _step(
-    model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None, loop: Loop
-) -> tuple[int, Fingerprint | None]:
+def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None, loop: Loop) -> Step:
     put(model, plan)
     # NOTE [Snapshots a step without an optimizer needs]
     state = capture(model, "remat.auto", parameters=loop.optimizer is not None)
@@ -141,9 +152,12 @@ def _step(
         if plan.training is not None:
             model.train(plan.training)
         if backend is not None:
-            return compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop), None
+            return Step(compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop))
         peak, _, loss = measure_peak(model, inputs, loss_fn, loop)
-        return peak, fingerprint(model, loss)
+        device = device_of(model, inputs)
+        # NOTE [Fitting a device]: measure_peak reset the peaks at the step's start
+        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+        return Step(peak, fingerprint(model, loss), reserved)
 
 
 def _blocks_of(names: list[str], blocks: list[str]) -> list[str]:
@@ -186,6 +200,8 @@ class _Candidates:
         self.limit = limit
         self.tried: list[tuple[Plan, int | None]] = []
         """Plans measured and their peaks (None: the step ran out of device memory)."""
+        self.reserved: dict[int, int] = {}
+        """The CUDA allocator's reserved peak of each plan measured on CUDA, by its index in ``tried``."""
         self.reference_plan: Plan | None = None
         """The plan whose step verified plans are compared with (None: the step without checkpointing)."""
 
@@ -212,7 +228,7 @@ class _Candidates:
         if same:
             return plan, same[0]
         try:
-            measured, summary = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend, self.loop)
+            step = _measured(self.model, self.inputs, self.loss_fn, plan, self.backend, self.loop)
         except OutOfMemory as err:  # NOTE [Out of memory is an answer]
             log.info("%s", err)
             self.tried.append((plan, None))
@@ -224,7 +240,7 @@ class _Candidates:
             return self._one_level(
                 plan, f"Nested segments do not run on this model ({reason}); planned one level deep."
             )
-        differ = self._differences(plan, summary)
+        differ = self._differences(plan, step.summary)
         if differ and plan.segments:
             return self._one_level(
                 plan,
@@ -243,8 +259,20 @@ class _Candidates:
                 "generators do not drive, or Python state their forward changes, then call again; "
                 "remat.checkpoint(..., policy='keep') blocks you cannot change."
             )
-        self.tried.append((plan, measured))
-        return plan, measured
+        self._tried(plan, step)
+        return plan, step.peak
+
+    def _tried(self, plan: Plan, step: Step) -> None:
+        if step.reserved is not None:
+            self.reserved[len(self.tried)] = step.reserved
+        self.tried.append((plan, step.peak))
+
+    def reserved_of(self, plan: Plan) -> int | None:
+        """The reserved peak measured for ``plan`` (None: not measured on CUDA)."""
+        for i, (p, _) in enumerate(self.tried):
+            if (p.assignment, p.segments) == (plan.assignment, plan.segments) and i in self.reserved:
+                return self.reserved[i]
+        return None
 
     def _one_level(self, plan: Plan, note: str) -> tuple[Plan, int | None]:
         self.findings.nested = False
@@ -271,10 +299,10 @@ class _Candidates:
                 f"the budget: verified plans were compared with {self.findings.compared_with} instead."
             )
         self.reference_plan = keep
-        measured, reference = _measured(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
-        self.tried.append((keep, measured))
-        self.findings.reference = reference
-        return reference
+        step = _measured(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
+        self._tried(keep, step)
+        self.findings.reference = step.summary
+        return step.summary
 
     def _differences(self, plan: Plan, summary: Fingerprint | None) -> list[str]:
         if summary is None or not plan.checkpointed:
@@ -320,7 +348,7 @@ def _compiled_profile(
 
     def measure(policies: tuple[str, ...]) -> int:
         plan = replace(keep, assignment=dict(zip(names, policies, strict=True)))
-        return _measured(model, inputs, loss_fn, plan, backend, loop)[0]
+        return _measured(model, inputs, loss_fn, plan, backend, loop).peak
 
     baseline = measure(("keep",) * len(names))
     if not is_chain(prof):
@@ -341,8 +369,12 @@ def verified_plan(
     backend: str | None,
     loop: Loop,
     findings: Findings,
+    *,
+    capacity: int | None = None,
 ) -> Plan:
-    """The plan auto applies: measured within ``budget`` in a real step (NOTE [Verify when it can])."""
+    """The plan auto applies: measured within ``budget`` in a real step (NOTE [Verify when it can]); with
+    ``capacity``, the most the CUDA allocator may reserve, its reserved peak within it too (NOTE [Fitting a
+    device] in remat.planning._gpu_room)."""
     # Peaks of the execution verified for (eager, or compiled: NOTE [Plans for compiled execution]).
     baseline = prof.baseline_peak_bytes
     notes: list[str] = []
@@ -362,8 +394,16 @@ def verified_plan(
     limit = parse_budget(budget, baseline)
     candidates = _Candidates(model, inputs, loss_fn, prof, backend, findings, loop, None if backend else limit)
 
+    def over_capacity(plan: Plan) -> int:
+        """Bytes the step's reserved peak is over ``capacity`` (0: it fits, or was not measured)."""
+        reserved = candidates.reserved_of(plan)
+        return 0 if capacity is None or reserved is None else max(0, reserved - capacity)
+
     def accept(plan: Plan, measured: int) -> Plan:
         put(model, plan)  # the last step measured may have been another plan's (the reference, a cached one)
+        reserved = candidates.reserved_of(plan)
+        if reserved is not None:
+            notes.append(reserved_note(measured, reserved))
         return replace(
             plan,
             budget_bytes=limit,
@@ -381,10 +421,18 @@ def verified_plan(
         except RematError:
             break  # the margin leaves no plan: only the lowest-peak plan is left to try
         candidate, measured = candidates.measure(candidate)
-        if measured is not None and measured <= limit:
+        if measured is not None and measured <= limit and not over_capacity(candidate):
             return accept(candidate, measured)
         predicted = int(candidate.predicted_peak_bytes / scale)
-        if measured is None:  # NOTE [Out of memory is an answer]
+        if measured is not None and measured <= limit:  # NOTE [Fitting a device]: reserved is what runs out
+            margin = max(margin, over_capacity(candidate))
+            target = limit - margin
+            notes.append(
+                f"A plan measured {human_bytes(measured)} allocated, but the caching allocator reserved "
+                f"{human_bytes(over_capacity(candidate))} more than this GPU has for the process: re-planned with "
+                f"a margin of {human_bytes(margin)}."
+            )
+        elif measured is None:  # NOTE [Out of memory is an answer]
             target = min(target, (int(candidates.floor() / scale) + predicted) // 2)
             notes.append(
                 f"A plan predicted at {human_bytes(predicted)} ran out of device memory in its step: "
@@ -400,7 +448,7 @@ def verified_plan(
         log.warning("remat.auto: %s", notes[-1])
     # The lowest peak of any plan, nested ones included (remat.plan reaches its own min_peak_bytes).
     lowest, measured = candidates.measure(candidates.lowest())
-    if measured is not None and measured <= limit:
+    if measured is not None and measured <= limit and not over_capacity(lowest):
         notes.append("The lowest-peak plan fits the budget.")
         return accept(lowest, measured)
     remove(model)
@@ -411,6 +459,8 @@ def verified_plan(
         found = (
             f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted {human_bytes(predicted)})"
         )
+        if measured <= limit:
+            found += f", for which the caching allocator reserved {over_capacity(lowest)} bytes more than the GPU has"
     raise _unreachable(limit, prof, execution, found, predicted if measured is None else measured, baseline)
 
 

@@ -7,13 +7,11 @@ Blocks are checkpointed by giving the module an instance-level ``forward``
 
 from __future__ import annotations
 
-import gc
 import logging
 import warnings
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from remat.core._compiled import eager_module
@@ -21,17 +19,17 @@ from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._fine import FINE, inner_layers
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._loop import Loop, make_loop
-from remat.core._memtrack import empty_device_cache
 from remat.core._user_errors import require_module
 from remat.core.measure import device_of
 from remat.errors import RematError
+from remat.planning._gpu_room import Room, room_on
 from remat.planning._put import put, remove
-from remat.planning._verify import Findings, Unreachable, out_of_memory_reason, verified_plan
+from remat.planning._verify import Findings, Unreachable, verified_plan
+from remat.planning._within import device_target, profile_within
 from remat.planning.plan import _ACCEPTED as ACCEPTED_BUDGETS
 from remat.planning.plan import Plan, parse_budget
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
-from remat.profiling._format import human_bytes
 from remat.profiling.profile import profile as make_profile
 
 __all__ = ["apply", "auto", "device_target", "remove"]
@@ -94,9 +92,11 @@ def auto(
 
     ``budget`` is bytes (``"8GiB"``) or a fraction of the peak without checkpointing (``0.6``);
     ``None`` on CUDA fits this GPU: what the process holds now and its free memory, less
-    ``FRAGMENTATION_MARGIN``. Auto never holds more device memory than the budget while some
+    ``FRAGMENTATION_MARGIN`` for the caching allocator, whose reserved peak verification holds
+    within the GPU (NOTE [Fitting a device] in remat.planning._gpu_room; the plan's notes give
+    the figures). Auto never holds more device memory than the budget while some
     plan fits it: below the peak without checkpointing it plans on fake tensors, and a step
-    that runs out of memory is a plan over the budget (NOTE [Within the budget]).
+    that runs out of memory is a plan over the budget (NOTE [Within the budget] in remat.planning._within).
 
     With ``verify`` (the default, real tensors only) the plan applied is one whose real step
     measured within the budget and computed the loss, gradients and buffers of the step
@@ -124,7 +124,9 @@ def auto(
     """
     model = eager_module(model)
     require_module(model, "remat.auto")
-    budget = _budget_of_device(model, inputs) if budget is None else budget
+    room = _room_of_device(model, inputs) if budget is None else None
+    budget = room.budget_bytes if room is not None else budget
+    capacity = room.capacity if room is not None else None
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     backend = _compile_backend(compiled, verify, profile_options)
     loop = make_loop(
@@ -136,16 +138,16 @@ def auto(
     findings = Findings()
     verify = verify and not profile_options.get("fake")
     try:
-        prof = _profile_within(model, inputs, loss_fn, budget, verify and backend is None, profile_options)
+        prof = _profile(model, inputs, loss_fn, budget, verify and backend is None, profile_options)
         try:
-            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings)
+            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings, capacity)
         except Unreachable:
             if not _may_go_finer(model, prof, backend, profile_options):
                 raise
             # NOTE [Finer only when needed]
             finer = {**profile_options, "policies": (*prof.policies, FINE)}
-            prof = _profile_within(model, inputs, loss_fn, budget, verify and backend is None, finer)
-            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings)
+            prof = _profile(model, inputs, loss_fn, budget, verify and backend is None, finer)
+            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings, capacity)
             note = (
                 f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
                 f"{FINE} (each block's sub-layers checkpointed inside its recomputation)."
@@ -156,7 +158,7 @@ def auto(
         raise
     if not chosen.checkpointed:
         restore_cache(model)
-    return chosen
+    return chosen if room is None else replace(chosen, notes=(room.note(), *chosen.notes))
 
 
 # NOTE [Finer only when needed]
@@ -166,6 +168,15 @@ def auto(
 # policies first and, when no plan of theirs reaches the budget (eager execution, the
 # policies not chosen by the caller, blocks with sub-layers), profiles once more with
 # ``full-fine`` and plans again.
+
+
+def _profile(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool, options: dict) -> Any:
+    """The profile auto plans on: within the budget when real steps follow it (``fit``; NOTE [Within the budget]
+    in remat.planning._within); compiled verification measures the compiled step without checkpointing first,
+    and is left as it was."""
+    if not fit:
+        return make_profile(model, inputs, loss_fn, **options)
+    return profile_within(model, inputs, loss_fn, budget, api="remat.auto", options=options).profile
 
 
 def _plan_and_put(
@@ -178,9 +189,10 @@ def _plan_and_put(
     verify: bool,
     loop: Loop,
     findings: Findings,
+    capacity: int | None,
 ) -> Plan:
     if verify:
-        return verified_plan(model, inputs, loss_fn, prof, budget, backend, loop, findings)
+        return verified_plan(model, inputs, loss_fn, prof, budget, backend, loop, findings, capacity=capacity)
     try:
         chosen = make_plan(prof, budget)
     except RematError as exc:
@@ -191,79 +203,15 @@ def _plan_and_put(
     return chosen
 
 
-# NOTE [Within the budget]
-# On a device where the step without checkpointing does not fit, any step auto runs
-# over the budget would die of OutOfMemoryError before a plan is made; on a larger
-# device it would still hold more than the user allowed. So auto verifies with real
-# steps only plans predicted within the budget, and decides what to profile from a
-# profile on fake tensors, which allocates nothing (memory exact: on the CPU the same
-# bytes as a real profile, the roofline of the device's target for times). If that
-# profile's step without checkpointing fits the budget, the real profile runs as it
-# always did. Otherwise auto plans on the fake profile: a real profile runs every
-# policy uniformly and always the ``keep`` step, its baseline, which is over the
-# budget, and a profile without it would have no baseline for the peak model; the
-# price is step times from the roofline rather than measured ones. Verification then
-# starts with the lowest-peak plan (NOTE [The step verified plans are compared with])
-# and a step that runs out of memory is a plan over the budget (NOTE [Out of memory is
-# an answer]); so is a real profile that runs out of memory (auto plans on the fake one).
-# A model fake tensors cannot run is profiled for real, as before, and the log says so.
-# Compiled verification (``compiled=``) measures the compiled step without checkpointing
-# first and is left as it was.
-def _profile_within(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool, profile_options: dict) -> Any:
-    """The profile auto plans on (NOTE [Within the budget]); ``fit``: real steps may follow it."""
-    if not fit:
-        return make_profile(model, inputs, loss_fn, **profile_options)
-    options = {k: v for k, v in profile_options.items() if k not in ("warmup", "repeat")}
-    try:
-        fake = make_profile(model, inputs, loss_fn, **{**options, "fake": True, "target": device_target(model, inputs)})
-    except RematError as exc:
-        log.info("remat.auto: fake tensors cannot run this model (%s): profiled on real tensors.", exc)
-        return make_profile(model, inputs, loss_fn, **profile_options)
-    if fake.baseline_peak_bytes <= parse_budget(budget, fake.baseline_peak_bytes):
-        try:
-            return make_profile(model, inputs, loss_fn, **profile_options)
-        except torch.OutOfMemoryError as exc:  # NOTE [Out of memory is an answer]; the profile restored the model
-            reason = out_of_memory_reason(exc)
-        gc.collect()
-        empty_device_cache()
-        log.warning("remat.auto: the real profile ran out of device memory (%s): planned on fake tensors.", reason)
-        return fake
-    log.info(
-        "remat.auto: the step without checkpointing (%s) is over the budget: planned on fake tensors.",
-        human_bytes(fake.baseline_peak_bytes),
-    )
-    return fake
-
-
-#: Share of the memory free for the model that ``budget=None`` leaves unplanned: the caching
-#: allocator rounds every block up and fragments its segments, so a step planned for all of it
-#: would run out of memory beside the gaps.
-FRAGMENTATION_MARGIN = 0.1
-
-
-def _budget_of_device(model: nn.Module, inputs: Any) -> int:
-    """``budget=None``: the bytes of this GPU the step may use (what this process holds now, and the free memory
-    less FRAGMENTATION_MARGIN)."""
+def _room_of_device(model: nn.Module, inputs: Any) -> Room:
+    """``budget=None``: the room on the GPU the model is on (NOTE [Fitting a device] in remat.planning._gpu_room)."""
     device = device_of(model, inputs)
     if device.type != "cuda":
         raise RematError(
             f"remat.auto: budget=None fits the plan to the GPU the model is on, but it is on {device}, whose free "
             f"memory remat cannot read; pass a budget: {ACCEPTED_BUDGETS}."
         )
-    free, _ = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_allocated(device)
-    cached = torch.cuda.memory_reserved(device) - held  # the allocator's cache is free for the step too
-    return held + int((free + cached) * (1 - FRAGMENTATION_MARGIN))
-
-
-def device_target(model: nn.Module, inputs: Any) -> str:
-    """The fake profile's target for the device the model runs on: its kernels, workspaces and roofline."""
-    device = device_of(model, inputs)
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    # an unknown GPU takes the H100's kernel choices; verification measures what they miss
-    return "a100" if "a100" in name else "h100"
+    return room_on(device)
 
 
 def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:

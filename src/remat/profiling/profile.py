@@ -155,7 +155,7 @@ def _run(
 # on the device that needs checkpointing. The error then gives the numbers the user needs:
 # a profile on fake tensors (it allocates nothing) predicts the peak without checkpointing
 # and the lowest peak any plan reaches, and remat.auto with a budget between the two plans
-# within it (NOTE [Within the budget] in remat.planning.apply).
+# within it (NOTE [Within the budget] in remat.planning._within).
 def _told_out_of_memory(
     exc: OutOfMemory,
     model: Any,

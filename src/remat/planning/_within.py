@@ -1,0 +1,127 @@
+"""The profile a plan for a budget is made on, running no real step over that budget.
+
+``remat.auto``, ``remat.distributed.auto`` and the command line's ``plan``/``profile --budget``
+all profile through :func:`profile_within`; the command line passes its own ``run`` (a progress line
+around the same ``remat.profile`` call).
+
+NOTE [Within the budget]
+On a device where the step without checkpointing does not fit, any step run over the
+budget would die of OutOfMemoryError before a plan is made; on a larger device it would
+still hold more than the user allowed. So the profile is first made on fake tensors,
+which allocate nothing (memory exact: on the CPU the same bytes as a real profile, the
+roofline of the device's target for times). If that profile's step without
+checkpointing fits the budget, the real profile runs as it always did. Otherwise the
+plan is made on the fake profile: a real profile runs every policy uniformly and always
+the ``keep`` step, its baseline, which is over the budget, and a profile without it
+would have no baseline for the peak model; the price is step times from the roofline
+rather than measured ones. A real profile that runs out of memory is a step over the
+budget too (NOTE [Out of memory is an answer] in remat.planning._verify): the profile
+restored the model, its tensors are collected, the allocator's cache is emptied, and
+the plan is made on the fake one. A model fake tensors cannot run is profiled for real,
+as before, and the log says so. auto then verifies with real steps only plans predicted
+within the budget, the lowest-peak one first (NOTE [The step verified plans are compared
+with]).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core._memtrack import empty_device_cache
+from remat.core.measure import device_of
+from remat.errors import RematError
+from remat.planning._verify import out_of_memory_reason
+from remat.planning.plan import parse_budget
+from remat.profiling._format import human_bytes
+from remat.profiling._types import Profile
+from remat.profiling.profile import profile as make_profile
+
+__all__ = ["OVER_THE_BUDGET", "RAN_OUT", "Within", "device_target", "profile_within"]
+
+log = logging.getLogger("remat")
+
+#: ``Within.fake_because``: the fake profile's step without checkpointing is over the budget.
+OVER_THE_BUDGET = "over the budget"
+#: ``Within.fake_because``: the real profile ran out of device memory.
+RAN_OUT = "ran out of device memory"
+
+
+@dataclass(frozen=True)
+class Within:
+    """A profile to plan on, and why it is on fake tensors when it is."""
+
+    profile: Profile
+    fake_because: str | None = None
+    """None: measured (or fake because the caller asked); else OVER_THE_BUDGET or RAN_OUT."""
+    budget_bytes: int | None = None
+    """The budget in bytes, as a fraction of the fake profile's peak when it was one (None: no fake profile)."""
+
+
+Run = Callable[[dict[str, Any]], Profile]
+
+
+def profile_within(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Any,
+    budget: Any,
+    *,
+    api: str,
+    options: dict[str, Any],
+    run: Run | None = None,
+    counted: Callable[[Profile], Profile] | None = None,
+) -> Within:
+    """The profile to plan ``budget`` on (NOTE [Within the budget]).
+
+    ``options`` go to :func:`remat.profile`; ``run(options)`` makes a profile (default: ``remat.profile`` on
+    ``model``); ``counted`` adds to a profile what it does not see (DDP's buckets) before it is compared with
+    the budget. With ``budget`` None or ``fake`` in ``options``, the one profile asked for is made.
+    """
+    if run is None:
+
+        def run(opts: dict[str, Any]) -> Profile:
+            return make_profile(model, inputs, loss_fn, **opts)
+
+    if budget is None or options.get("fake"):
+        return Within(run(options))
+    timed = {k: v for k, v in options.items() if k not in ("warmup", "repeat")}  # a fake step is not timed
+    try:
+        fake = run({**timed, "fake": True, "target": device_target(model, inputs)})
+    except RematError as exc:
+        log.info("%s: fake tensors cannot run this model (%s): profiled on real tensors.", api, exc)
+        return Within(run(options))
+    peak = (counted(fake) if counted is not None else fake).baseline_peak_bytes
+    limit = parse_budget(budget, peak)
+    if peak > limit:
+        log.info(
+            "%s: the step without checkpointing (%s) is over the budget %s: planned on fake tensors.",
+            api,
+            human_bytes(peak),
+            human_bytes(limit),
+        )
+        return Within(fake, OVER_THE_BUDGET, limit)
+    try:
+        return Within(run(options), None, limit)
+    except torch.OutOfMemoryError as exc:  # NOTE [Out of memory is an answer]; the profile restored the model
+        reason = out_of_memory_reason(exc)
+    gc.collect()
+    empty_device_cache()
+    log.warning("%s: the real profile ran out of device memory (%s): planned on fake tensors.", api, reason)
+    return Within(fake, RAN_OUT, limit)
+
+
+def device_target(model: nn.Module, inputs: Any) -> str:
+    """The fake profile's target for the device the model runs on: its kernels, workspaces and roofline."""
+    device = device_of(model, inputs)
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    # an unknown GPU takes the H100's kernel choices; verification measures what they miss
+    return "a100" if "a100" in name else "h100"
