@@ -265,15 +265,19 @@ def corrections(
             kept_live.setdefault(i, []).append(c)
         if at is not None and at not in run_frees:  # the assignment frees it here, the run did not
             out.setdefault(at, [0, 0, 0])[0] -= c.nbytes
+    held: dict[int, int] = {}
     for i, kept in kept_live.items():
         policy = steps[i][1]
-        added = sum(c.nbytes for c in kept)
+        added = held[i] = sum(c.nbytes for c in kept)
         entry = out.setdefault(i, [0, 0, 0])
         entry[0] += added
         entry[1] = max(c.after[policy] for c in kept) + added
     for r in recomputes:
         mine = assignment.get(r.block, "keep")
         if r.swap and _swapped(r, mine, position, steps, out):
+            i = position[_host(r)]
+            if len(out.get(i, ())) > 3:  # NOTE [A swapped segment that keeps a crossing storage]
+                out[i][3] += held.get(i, 0)
             continue
         for policy, key in r.at.items():
             at_index = position.get(key)
@@ -289,11 +293,28 @@ def corrections(
     return {i: (d, e, x, base) for i, (d, e, x, *rest) in out.items() for base in [rest[0] if rest else None]}
 
 
+def _host(r: Recompute) -> Key:
+    """The segment outside its block's backward where ``r`` runs (one, where it has a swap table)."""
+    (host,) = {key for key in r.at.values() if key[1] != r.block}
+    return host
+
+
+# NOTE [A swapped segment that keeps a crossing storage]
+# A crossing storage the run of the hosting segment freed there, which the assignment keeps live
+# (NOTE [Storages across blocks]), raises every point of that run after its free; the segment's
+# excess is then at least the most after the free plus its size. Where a recomputation is swapped
+# in (NOTE [Where a recomputation runs]) the replayed excess replaces the run's, and taking the
+# larger of the two lost the storage under the recomputation (measured: an aux block's
+# recomputation beside a tensor shared by both blocks, one shared tensor under). Where in the
+# replay the run freed it is not kept, so the storage is added to the whole replayed excess: on
+# the safe side, by at most its size where the run freed it after the replay's most.
+
+
 def _swapped(
     r: Recompute, mine: str, position: Mapping[Key, int], steps: Sequence[tuple[Key, str]], out: dict[int, list]
 ) -> bool:
     """Apply ``r``'s swap table to its hosting segment; False where the walk has no such segment."""
-    (host,) = {key for key in r.at.values() if key[1] != r.block}
+    host = _host(r)
     i = position.get(host)
     if i is None:
         return False

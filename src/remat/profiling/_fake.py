@@ -18,7 +18,9 @@ what those kernels allocate beside their outputs:
   small tensors keep real values (NOTE [Value shadows] in ``_shadow``) and
   transformers is told fake tensors are not tracing (``core._hf.fake_tensors_untraced``);
 * each op's workspace and the library workspaces kept across steps come from the
-  target's table (NOTE [Workspace no tensor owns] in ``_workspace``, ``_target_data``).
+  target's table (NOTE [Workspace no tensor owns] in ``_workspace``, ``_target_data``);
+* BatchNorm's outputs are laid out as its CPU and CUDA kernels lay them out, not as its
+  meta kernel does (NOTE [Output layouts of the device's kernels] in ``_kernel_layouts``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
+from remat.profiling._kernel_layouts import KernelLayouts
 from remat.profiling._profile_run import Ledger, _assemble, _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, young_collections
 from remat.profiling._shadow import ValueShadows
@@ -170,7 +173,7 @@ def _trace(
     ):
         for policy, run_as, learn in trace_schedule(policies):
             switch.set(run_as)
-            with mode, shadows:
+            with mode, shadows, KernelLayouts():  # NOTE [Output layouts of the device's kernels]
                 if learn:
                     learn_structure(model, fake_inputs, loss_fn)
                 loop.steady(model, fake_inputs, loss_fn)

@@ -418,9 +418,34 @@ class SegmentRecorder:
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)
             if grad_out is not None:
-                grad_out.register_hook(lambda _grad: self.begin("bwd", name, occurrence))
+                self._hook_backward(name, occurrence, grad_out)
 
         return hook
+
+    def _hook_backward(self, name: str, occurrence: int, out: torch.Tensor) -> None:
+        """Begin the block's backward segment when the gradient of its output ``out`` is computed.
+
+        NOTE [A view written in place after its block]
+        A tensor hook stays on the autograd node the tensor had when it was registered. A block output
+        that is a view (BatchNorm between transposes) and that the parent then changes in place gets a
+        new node: autograd rebuilds the base's history around the write (``CopySlices``) and the view's
+        old node leaves the graph, so its hook never fires and the block's backward would run inside
+        the segment before it, where the peak model cannot find it (a checkpointed block's inputs are
+        freed in its backward). The base's own old node stays in the graph under the write, so the
+        hook goes on the base too, and the first of the two to fire begins the segment.
+        """
+        began = False
+
+        def begin(_grad: torch.Tensor) -> None:
+            nonlocal began
+            if not began:
+                began = True
+                self.begin("bwd", name, occurrence)
+
+        out.register_hook(begin)
+        base = out._base
+        if base is not None and base.requires_grad and base.grad_fn is not None:
+            base.register_hook(begin)
 
     def _on_recompute_start(self, owner: nn.Module | None) -> None:
         live = self._live()

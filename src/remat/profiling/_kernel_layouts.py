@@ -1,0 +1,82 @@
+"""Fake tensors laid out as the device's kernels lay out their outputs.
+
+NOTE [Output layouts of the device's kernels]
+Memory in a step follows layouts: a transpose of a contiguous tensor is a view, a
+``reshape`` of a non-contiguous one (a ``Linear`` on it, an ``AccumulateGrad`` into a
+contiguous ``.grad``) is a copy. Fake tensors take their strides from meta kernels,
+and most meta kernels lay out their outputs as the CPU and CUDA kernels do (elementwise
+ops, norms, softmax, convolutions, pooling, reductions, sorts: checked op by op in
+``tests/profiling/test_kernel_layouts.py``). BatchNorm is the exception: its CPU, CUDA
+and cuDNN kernels allocate the output (and the backward's input gradient) in the
+memory format the input suggests (contiguous, or channels-last for a 4-d or 5-d
+channels-last input), copying a non-contiguous input first, while its meta kernel keeps
+the input's strides. On BatchNorm between transposes, the fake output transposed back
+is contiguous where the real one is not, and the fake step skipped the copies the real
+one makes after it (a full block predicted one activation low). So while a fake profile
+runs, the ops of ``SUGGESTED_FORMAT`` return their first output in the format their
+``input`` argument suggests, as the device's kernels do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._prims_common import suggest_memory_format
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+def _overloads(*names: str) -> frozenset:
+    """The functional overloads (``out=`` variants write where they are told) of the ops that exist here."""
+    out = []
+    for name in names:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            out += [getattr(packet, o) for o in packet.overloads() if "out" not in o]
+    return frozenset(out)
+
+
+#: Ops whose device kernels allocate their first output in the memory format ``input`` suggests.
+SUGGESTED_FORMAT = _overloads(
+    "native_batch_norm",
+    "native_batch_norm_backward",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update",
+    "_batch_norm_with_update_functional",
+    "_batch_norm_no_update",
+    "batch_norm_backward",
+    "cudnn_batch_norm",
+    "cudnn_batch_norm_backward",
+    "miopen_batch_norm",
+    "miopen_batch_norm_backward",
+)
+
+
+def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "input":
+            return args[i] if i < len(args) else kwargs.get("input")
+    return None
+
+
+class KernelLayouts(TorchDispatchMode):
+    """Inside a fake run: the outputs of ``SUGGESTED_FORMAT``'s ops laid out as the device's kernels lay them
+    out (NOTE [Output layouts of the device's kernels])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in SUGGESTED_FORMAT:
+            return out
+        source = _input_of(func, args, kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        if not isinstance(source, torch.Tensor) or not isinstance(first, torch.Tensor):
+            return out
+        laid = first.contiguous(memory_format=suggest_memory_format(source))
+        if laid is first:
+            return out
+        return (laid, *out[1:]) if isinstance(out, tuple) else laid
