@@ -89,123 +89,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from remat.planning._solve import Chain, chain_of
+from remat.planning._nested_walk import Costs, Node, extra_time, shared_storages, simulate
+from remat.planning._solve import chain_of
 from remat.profiling._types import Profile
+
+__all__ = ["Costs", "Node", "costs_of", "extra_time", "simulate", "solve_nested", "to_plan"]
 
 GRID = 256
 MAX_BLOCKS = 128
 #: Policies that run under torch's selective checkpoint inside a segment (NOTE [Selective caches inside a segment]).
 _SELECTIVE = ("selective", "selective-ops")
-
-
-@dataclass(frozen=True)
-class Node:
-    """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
-
-    start: int
-    policy: int = -1
-    end: int | None = None
-    children: tuple[Node, ...] = ()
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The chain plus what nested plans need: output bytes and forward time per block."""
-
-    chain: Chain
-    out: np.ndarray
-    fwd_s: np.ndarray
-    full: int
-    holds: np.ndarray | None = None
-    """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
-    inside: np.ndarray | None = None
-    """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
-    segmentable: np.ndarray | None = None
-    """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
-    chained: np.ndarray | None = None
-    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
-    may be inside a segment; None: every one."""
-
-
-def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
-    ch = c.chain
-    for node in nodes:
-        if node.end is None:
-            top = max(top, live + int(ch.fwd_peak[node.start, node.policy]))
-            live += int(ch.fwd_delta[node.start, node.policy])
-        else:
-            live, top = _fwd_nosave(c, node.start, node.end, live, top)
-    return live, top
-
-
-def _fwd_nosave(c: Costs, s: int, e: int, live: int, top: int) -> tuple[int, int]:
-    ch, f = c.chain, c.full
-    for k in range(s, e):
-        top = max(top, live + int(ch.fwd_peak[k, f]))
-        live += int(ch.fwd_delta[k, f]) - (int(c.out[k - 1]) if k > s else 0)
-    return live, top
-
-
-def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[int, bool]:
-    """Block -> whether it keeps its own output until its backward under the plan (a segment's last block does not)."""
-    for node in nodes:
-        if node.end is None:
-            out[node.start] = c.holds is not None and bool(c.holds[node.start, node.policy])
-        else:
-            out[node.end - 1] = False
-            _holders(c, node.children, out)
-    return out
-
-
-def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], live: int, top: int) -> tuple[int, int]:
-    """Block k's backward as in ``policy``'s run, with its input freed where the plan frees it: that run's
-    previous block may have kept it (then this block's delta does not free it) where the plan's does not."""
-    ch = c.chain
-    if ch.bwd_delta is None:
-        raise RuntimeError("a nested view's chain has its backward deltas (remat.planning._solve.chain_profile)")
-    top = max(top, live + int(ch.bwd_peak[k, policy]))
-    live += int(ch.bwd_delta[k, policy])
-    if k > 0 and c.holds is not None:
-        in_run, in_plan = bool(c.holds[k - 1, policy]), holds.get(k - 1, False)
-        live += (int(c.out[k - 1]) if in_plan else 0) - (int(c.out[k - 1]) if in_run else 0)
-    return live, top
-
-
-def _bwd(c: Costs, nodes: tuple[Node, ...], live: int, top: int, holds: dict[int, bool]) -> tuple[int, int]:
-    for node in reversed(nodes):
-        if node.end is None:
-            live, top = _block_bwd(c, node.start, node.policy, holds, live, top)
-            continue
-        live, top = _fwd_record(c, node.children, live, top)
-        live, top = _block_bwd(c, node.end - 1, c.full, holds, live, top)
-        live, top = _bwd(c, node.children, live, top, holds)
-    return live, top
-
-
-def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
-    """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
-    ch = c.chain
-    live, top = _fwd_record(c, nodes, ch.start, ch.pre_peak)
-    top = max(top, live + int(ch.post_peak.max()))
-    _, top = _bwd(c, nodes, live + int(ch.post_delta.max()), top, _holders(c, nodes, {}))
-    return top
-
-
-def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
-    """Predicted extra step time of ``nodes``: each block's policy, plus every segment's recomputation."""
-    total = 0.0
-    for node in nodes:
-        if node.end is None:
-            total += float(c.chain.extra_s[node.start, node.policy])
-        else:
-            total += float(c.fwd_s[node.start : node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
-            total += extra_time(c, node.children)
-    return total
 
 
 def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -396,7 +293,8 @@ def costs_of(profile: Profile) -> Costs | None:
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
     segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained)
+    shared = shared_storages(profile, ch)
+    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained, shared)
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
