@@ -590,3 +590,69 @@ def test_a_tensor_every_block_of_a_segment_receives_is_held_by_the_segment():
             assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
         finally:
             remat.remove(model)
+
+
+class _SomeGetBias(_SharedBias):
+    """Only blocks 1 and 2 get the shared tensor: a segment running block 1 with block 0's arguments cannot."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, shared = self.embed(x), self.bias(x)
+        for k, block in enumerate(self.blocks):
+            h = block(h, shared) if k in (1, 2) else block(h)
+        return self.head(h).logsumexp(-1).mean()
+
+
+class _MaybeBiasBlock(_BiasBlock):
+    def forward(self, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc1(x)
+        return x + self.fc2(nn.functional.gelu(h if shared is None else h + shared))
+
+
+def _some_get_bias() -> _SomeGetBias:
+    model = _SomeGetBias()
+    model.blocks = nn.ModuleList(_MaybeBiasBlock(8) for _ in range(4))
+    return model
+
+
+def test_a_segment_over_blocks_called_with_other_arguments_is_refused_and_never_planned():
+    # A segment runs every block with its first block's other arguments: block 1 raised TypeError on block 0's
+    # (none) before remat's own check saw the parent's call; now remat refuses, and never plans such a segment.
+    from remat.planning._nested import costs_of, to_plan
+
+    torch.manual_seed(0)
+    model, x = _some_get_bias(), torch.randn(4, 64, 8)
+    reference = _grads(model, x)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    c = costs_of(prof)
+    assert c.same_args.tolist() == [True, False, True, False]
+    full, none = c.full, remat.plan(prof, strategy="none")
+    for first in (0, 2):  # block 1 run with block 0's arguments raises; block 3 with block 2's computes others
+        nodes = tuple(
+            Node(first, end=first + 2, children=(Node(first, full),)) if k == first else Node(k, full)
+            for k in range(4)
+            if k != first + 1
+        )
+        assignment, segments = to_plan(c, nodes)
+        plan = replace(none, assignment={b.name: assignment[b.name] for b in prof.blocks}, segments=segments)
+        state = {n: t.clone() for n, t in model.state_dict().items()}
+        remat.apply(model, plan)
+        try:
+            with pytest.raises(remat.RematError, match="nested=False"):
+                _grads(model, x)
+        finally:
+            remat.remove(model)
+        assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
+        model.zero_grad(set_to_none=True)
+    floor = none.min_peak_bytes
+    for budget in (floor, (floor + prof.baseline_peak_bytes) // 2):
+        plan = remat.plan(prof, budget)
+        names = [b.name for b in prof.blocks]
+        for a, b in plan.segments:  # a segment starting at block 1 may hold block 2 (both get the tensor)
+            assert (names.index(a), names.index(b)) in {(1, 2)}, plan.segments
+        remat.apply(model, plan)
+        try:
+            assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
+            measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+            assert measured <= plan.predicted_peak_bytes <= budget, (plan.assignment, plan.segments)
+        finally:
+            remat.remove(model)

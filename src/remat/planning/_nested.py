@@ -83,6 +83,17 @@ the rest of the chain still gets segments of its own. Not even as a segment's la
 the read may be an in-place write (``x += bias`` in the parent), and a segment whose
 output is written after it holds one output more than the walk (NOTE [Inputs written in
 place inside a segment]); the profile does not tell a read from a write there.
+
+NOTE [Arguments a segment hands on]
+A segment runs every block with its first block's other arguments (``remat.core._segment``):
+right only where the parent calls them all alike. A block given a tensor its neighbour is not
+(a mask only some layers take) raised on the first block's arguments, or computed with
+others, before the parent's call of it could be checked. The profile records which tensors
+made outside the blocks each block receives (``Profile.crossings``); a block whose set differs
+from the block before it starts a new run (``Costs.same_args``): no segment holds both. The
+chain's input, which the first block alone receives, is its hand-off, not an argument.
+Arguments that are not tensors the profile cannot see: ``remat.core._segment`` still refuses
+a chain whose calls differ at run time.
 """
 
 from __future__ import annotations
@@ -94,7 +105,7 @@ from typing import Any
 import numpy as np
 
 from remat.planning._nested_walk import Costs, Node, extra_time, shared_storages, simulate
-from remat.planning._solve import chain_of
+from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
 
 __all__ = ["Costs", "Node", "costs_of", "extra_time", "simulate", "solve_nested", "to_plan"]
@@ -134,6 +145,10 @@ class _Recursion:
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]
+        if c.same_args is not None:  # and get the same arguments: none of blocks s+1..e-1 gets others than before
+            moved = np.concatenate([[0], np.cumsum(~c.same_args)])
+            moved = np.append(moved, moved[-1])
+            self.span_ok &= moved[None, :-1] == moved[1:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
         self.csum, self.held = self._leftovers(c, up, down)
@@ -294,7 +309,31 @@ def costs_of(profile: Profile) -> Costs | None:
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
     segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
     shared = shared_storages(profile, ch)
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained, shared)
+    return Costs(
+        ch,
+        out,
+        fwd,
+        ch.policies.index("full"),
+        holds,
+        inside,
+        segmentable,
+        chained,
+        shared,
+        _same_args(profile, ch),
+    )
+
+
+def _same_args(profile: Profile, ch: Chain) -> np.ndarray:
+    """[n]: block k receives the same tensors made outside the blocks as block k-1 (NOTE [Arguments a segment
+    hands on]); the chain's input, received by the first block alone, is its hand-off, not an argument."""
+    index = {b: i for i, b in enumerate(ch.blocks)}
+    got: list[set[int]] = [set() for _ in ch.blocks]
+    for i, crossing in enumerate(profile.crossings):
+        receivers = {index.get(r[1] or "", -1) for r in crossing.receivers}
+        if crossing.producer is None and receivers != {0}:
+            for k in receivers - {-1}:
+                got[k].add(i)
+    return np.array([True] + [got[k] == got[k - 1] for k in range(1, len(got))])
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:

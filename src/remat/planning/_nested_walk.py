@@ -77,6 +77,9 @@ class Costs:
     may be inside a segment; None: every one."""
     shared: tuple[Shared, ...] = field(default=())
     """Storages the parent hands to blocks whose holders depend on the plan."""
+    same_args: np.ndarray | None = None
+    """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
+    segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
 
 
 @dataclass(frozen=True)
