@@ -656,3 +656,71 @@ def test_a_segment_over_blocks_called_with_other_arguments_is_refused_and_never_
             assert measured <= plan.predicted_peak_bytes <= budget, (plan.assignment, plan.segments)
         finally:
             remat.remove(model)
+
+
+class _Residual(nn.Module):
+    def __init__(self, d: int = 8, relu_first: bool = False) -> None:
+        super().__init__()
+        self.pre = nn.ReLU(inplace=True) if relu_first else nn.Identity()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre(x)
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class _ResidualChain(nn.Module):
+    def __init__(self, writers: tuple[int, ...] = (), n: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(d, d), nn.Linear(d, 10)
+        self.blocks = nn.ModuleList(_Residual(d, k in writers) for k in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).logsumexp(-1).mean()
+
+
+def _hand_made(model: nn.Module, x: torch.Tensor, prof: remat.Profile, shapes: list) -> list[tuple[int, int]]:
+    """(predicted, measured) of each hand-made nested plan ``shapes`` (functions of the Costs), gradients checked."""
+    from remat.planning._nested import costs_of, simulate, to_plan
+
+    reference = _grads(model, x)
+    c, none, out = costs_of(prof), remat.plan(prof, strategy="none"), []
+    for shape in shapes:
+        nodes = shape(c, c.chain.policies.index)
+        assignment, segments = to_plan(c, nodes)
+        order = {b.name: assignment[b.name] for b in prof.blocks}
+        plan = replace(none, assignment=order, segments=segments, predicted_peak_bytes=simulate(c, nodes))
+        remat.apply(model, plan)
+        try:
+            assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
+            out.append((plan.predicted_peak_bytes, remat.measure(model, x, repeat=1, warmup=0).peak_bytes))
+        finally:
+            remat.remove(model)
+    return out
+
+
+def test_a_hand_made_selective_block_inside_a_segment_is_predicted_safe():
+    # The planner keeps selective blocks out of segments (their cache outlives the segment's forward: NOTE
+    # [Selective caches inside a segment]); a plan made by hand was predicted one cache under the measured
+    # peak. Now never under, over by at most one cache per forward of the block before its last.
+    torch.manual_seed(0)
+    model, x = _ResidualChain(), torch.randn(4, 64, 8)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    cache = 4 * 64 * (16 + 8) * 4  # selective saves fc1's and fc2's outputs
+    one_level = [
+        lambda c, p: (Node(0, end=2, children=(Node(0, p("selective")),)), Node(2, p("keep")), Node(3, p("keep"))),
+        lambda c, p: (Node(0, end=2, children=(Node(0, p("selective-ops")),)), Node(2, c.full), Node(3, c.full)),
+    ]
+    deeper = [
+        lambda c, p: (Node(0, p("keep")), Node(1, end=4, children=(Node(1, p("selective")), Node(2, c.full)))),
+        lambda c, p: (
+            Node(0, end=4, children=(Node(0, end=2, children=(Node(0, p("selective-ops")),)), Node(2, p("keep")))),
+        ),
+    ]
+    for predicted, measured in _hand_made(model, x, prof, one_level):
+        assert measured <= predicted <= measured + cache
+    for predicted, measured in _hand_made(model, x, prof, deeper):
+        assert measured <= predicted <= measured + 2 * cache

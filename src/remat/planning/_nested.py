@@ -26,6 +26,11 @@ selective-ops inside a segment predicted 4.3% under the measured peak, "selectiv
 segment's forward to the plan inside it, which the DP's cells cannot hold. So inside a
 segment a block is "keep", "full" or "full-fine" (``Costs.inside``; exact on GPT-2 in every
 shape tried, and on conv chains); selective policies stay for the blocks between segments.
+A plan made by hand may still put one inside; the walk then adds its cache (the most a
+selective policy's forward keeps over ``full``'s) at every forward of the block but its
+own last recomputation, live until the block's backward: never under, over by at most
+one cache per such forward (the copy a recomputation makes lives "for a while", not
+known how long, so it is counted until the block's backward).
 
 NOTE [Inputs written in place inside a segment]
 A checkpointed call copies, before the write, each input its forward writes in place

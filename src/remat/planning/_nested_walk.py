@@ -206,10 +206,48 @@ def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict
     return {i: (d, least) for i, (d, least) in out.items()}
 
 
+def _leaves(nodes: tuple[Node, ...], out: dict[int, int]) -> dict[int, int]:
+    """Block -> the policy it runs under innermost (a segment's last block: ``full``)."""
+    for node in nodes:
+        if node.end is None:
+            out[node.start] = node.policy
+        else:
+            _leaves(node.children, out)
+    return out
+
+
+def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+    """A selective block inside a segment keeps a cache from every forward of it but its own last recomputation
+    until its backward (NOTE [Selective caches inside a segment] in remat.planning._nested): per step index,
+    (bytes added to its delta, least its peak reaches)."""
+    if c.inside is None:
+        return {}
+    ch, leaves = c.chain, _leaves(nodes, {})
+    out: dict[int, tuple[int, int]] = {}
+    for k, p in leaves.items():
+        if bool(c.inside[p]):
+            continue
+        cache = max(int(ch.fwd_delta[k, j] - ch.fwd_delta[k, c.full]) for j in np.flatnonzero(~c.inside))
+        made = [i for i, s in enumerate(steps) if s.place == ("fwd", k) and s.run != p]
+        if cache <= 0 or not made:
+            continue
+        for i in made:  # a forward of it under its segment: its cache on top of the full run's numbers
+            d, least = out.get(i, (0, 0))
+            out[i] = (d + cache, max(least, steps[i].peak + d + cache))
+        bwd = next(i for i, s in enumerate(steps) if s.place == ("bwd", k))
+        d, least = out.get(bwd, (0, 0))
+        out[bwd] = (d - cache * len(made), least)  # let go with its backward (live through all of it: safe)
+    return out
+
+
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
     steps = _walk(c, nodes)
     fixes = _shared_fixes(c, nodes, steps)
+    for extra in (_selective_caches(c, nodes, steps),):
+        for i, (d, least) in extra.items():
+            d0, least0 = fixes.get(i, (0, 0))
+            fixes[i] = (d0 + d, max(least0 + d, least + d0))
     live, top = c.chain.start, c.chain.pre_peak
     for i, step in enumerate(steps):
         added, least = fixes.get(i, (0, 0))
