@@ -43,7 +43,11 @@ ReLU(inplace=True) blocks: predicted 17% under the measured peak). The block bef
 it, whose output it writes, ends a segment whose output is written after the segment
 (measured one output over the walk: 0.96% on a conv chain). So neither a block that
 writes its input (``BlockProfile.writes_input``) nor the one before it is ever inside
-a segment (``Costs.segmentable``); the profile says so in a note.
+a segment (``Costs.segmentable``); the profile says so in a note. A plan made
+by hand may still do it: the walk then counts, for such a writer, one copy of its input
+per region that holds it and one more (the written input itself), live from the
+outermost segment's forward to the end of the step: over by at most that many inputs
+(none to three on generated chains), never under.
 
 NOTE [The nested DP]
 Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``
@@ -324,6 +328,7 @@ def costs_of(profile: Profile) -> Costs | None:
         segmentable,
         chained,
         shared,
+        writes[:-1],
         _same_args(profile, ch),
     )
 

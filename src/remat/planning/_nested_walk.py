@@ -77,6 +77,8 @@ class Costs:
     may be inside a segment; None: every one."""
     shared: tuple[Shared, ...] = field(default=())
     """Storages the parent hands to blocks whose holders depend on the plan."""
+    writes: np.ndarray | None = None
+    """[n]: the block writes its input in place (NOTE [Inputs written in place inside a segment]); None: none."""
     same_args: np.ndarray | None = None
     """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
     segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
@@ -240,11 +242,40 @@ def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> 
     return out
 
 
+def _segments_over(nodes: tuple[Node, ...], k: int, depth: int = 0) -> tuple[int, Node | None]:
+    """(how many segments hold block k, the outermost of them)."""
+    for node in nodes:
+        if node.end is not None and node.start <= k < node.end:
+            inner, _ = _segments_over(node.children, k, depth + 1)
+            return max(inner, depth + 1), node
+    return depth, None
+
+
+def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+    """Copies of a written input a block inside a segment, or right after one, makes (NOTE [Inputs written in
+    place inside a segment] in remat.planning._nested), per step index: on the safe side, one per region that
+    holds the block and one more, live from the outermost segment's forward to the end of the step."""
+    if c.writes is None or not c.writes.any():
+        return {}
+    out: dict[int, tuple[int, int]] = {}
+    for k in map(int, np.flatnonzero(c.writes)):
+        depth, outer = _segments_over(nodes, k)
+        before, outer_before = _segments_over(nodes, k - 1) if k > 0 else (0, None)
+        if outer is None and outer_before is None:
+            continue
+        first = min(n.start for n in (outer, outer_before) if n is not None)
+        extra = (max(depth, before) + 1) * int(c.out[k - 1] if k > 0 else 0)
+        at = next(i for i, s in enumerate(steps) if s.place == ("fwd", first))
+        d, least = out.get(at, (0, 0))
+        out[at] = (d + extra, max(least, steps[at].peak + d + extra))
+    return out
+
+
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
     steps = _walk(c, nodes)
     fixes = _shared_fixes(c, nodes, steps)
-    for extra in (_selective_caches(c, nodes, steps),):
+    for extra in (_selective_caches(c, nodes, steps), _written_inputs(c, nodes, steps)):
         for i, (d, least) in extra.items():
             d0, least0 = fixes.get(i, (0, 0))
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
