@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -523,3 +524,222 @@ def test_blocks_that_write_their_input_stay_out_of_segments_and_plans_are_exact(
         finally:
             remat.remove(model)
         assert plan.segments == ()
+
+
+class _SharedBias(nn.Module):
+    """Blocks adding in one tensor the parent computes once (a bias, a mask): kept blocks do not save it."""
+
+    def __init__(self, d: int = 8, n: int = 4) -> None:
+        super().__init__()
+        self.embed, self.bias = nn.Linear(d, d), nn.Linear(d, 2 * d)
+        self.blocks = nn.ModuleList(_BiasBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, shared = self.embed(x), self.bias(x)
+        for block in self.blocks:
+            h = block(h, shared)
+        return self.head(h).logsumexp(-1).mean()
+
+
+class _BiasBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x) + shared))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> dict:
+    torch.manual_seed(0)
+    model(x).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_a_tensor_every_block_of_a_segment_receives_is_held_by_the_segment():
+    # The segment holds the shared tensor among its inputs until its backward; the keep run a later kept block
+    # is taken from frees it after the last forward (NOTE [Storages handed to a segment from outside]): the
+    # floor's plan measured one shared tensor over its budget.
+    from remat.planning._nested import costs_of, simulate, to_plan
+
+    torch.manual_seed(0)
+    model, x = _SharedBias(), torch.randn(4, 64, 8)
+    reference = _grads(model, x)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    c = costs_of(prof)
+    keep, full = c.chain.policies.index("keep"), c.full
+    hand = [
+        (Node(0, end=2, children=(Node(0, full),)), Node(2, full), Node(3, keep)),
+        (Node(0, keep), Node(1, end=3, children=(Node(1, keep),)), Node(3, keep)),
+        (Node(0, end=4, children=(Node(0, end=2, children=(Node(0, keep),)), Node(2, full))),),
+    ]
+    plans = [remat.plan(prof, remat.plan(prof, strategy="none").min_peak_bytes)]
+    for nodes in hand:
+        assignment, segments = to_plan(c, nodes)
+        order = {b.name: assignment[b.name] for b in prof.blocks}
+        plans.append(replace(plans[0], assignment=order, segments=segments, predicted_peak_bytes=simulate(c, nodes)))
+    assert plans[0].segments
+    for plan in plans:
+        remat.apply(model, plan)
+        try:
+            measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+            assert measured == plan.predicted_peak_bytes, (plan.assignment, plan.segments)
+            assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
+        finally:
+            remat.remove(model)
+
+
+class _SomeGetBias(_SharedBias):
+    """Only blocks 1 and 2 get the shared tensor: a segment running block 1 with block 0's arguments cannot."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, shared = self.embed(x), self.bias(x)
+        for k, block in enumerate(self.blocks):
+            h = block(h, shared) if k in (1, 2) else block(h)
+        return self.head(h).logsumexp(-1).mean()
+
+
+class _MaybeBiasBlock(_BiasBlock):
+    def forward(self, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc1(x)
+        return x + self.fc2(nn.functional.gelu(h if shared is None else h + shared))
+
+
+def _some_get_bias() -> _SomeGetBias:
+    model = _SomeGetBias()
+    model.blocks = nn.ModuleList(_MaybeBiasBlock(8) for _ in range(4))
+    return model
+
+
+def test_a_segment_over_blocks_called_with_other_arguments_is_refused_and_never_planned():
+    # A segment runs every block with its first block's other arguments: block 1 raised TypeError on block 0's
+    # (none) before remat's own check saw the parent's call; now remat refuses, and never plans such a segment.
+    from remat.planning._nested import costs_of, to_plan
+
+    torch.manual_seed(0)
+    model, x = _some_get_bias(), torch.randn(4, 64, 8)
+    reference = _grads(model, x)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    c = costs_of(prof)
+    assert c.same_args.tolist() == [True, False, True, False]
+    full, none = c.full, remat.plan(prof, strategy="none")
+    for first in (0, 2):  # block 1 run with block 0's arguments raises; block 3 with block 2's computes others
+        nodes = tuple(
+            Node(first, end=first + 2, children=(Node(first, full),)) if k == first else Node(k, full)
+            for k in range(4)
+            if k != first + 1
+        )
+        assignment, segments = to_plan(c, nodes)
+        plan = replace(none, assignment={b.name: assignment[b.name] for b in prof.blocks}, segments=segments)
+        state = {n: t.clone() for n, t in model.state_dict().items()}
+        remat.apply(model, plan)
+        try:
+            with pytest.raises(remat.RematError, match="nested=False"):
+                _grads(model, x)
+        finally:
+            remat.remove(model)
+        assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
+        model.zero_grad(set_to_none=True)
+    floor = none.min_peak_bytes
+    for budget in (floor, (floor + prof.baseline_peak_bytes) // 2):
+        plan = remat.plan(prof, budget)
+        names = [b.name for b in prof.blocks]
+        for a, b in plan.segments:  # a segment starting at block 1 may hold block 2 (both get the tensor)
+            assert (names.index(a), names.index(b)) in {(1, 2)}, plan.segments
+        remat.apply(model, plan)
+        try:
+            assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
+            measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+            assert measured <= plan.predicted_peak_bytes <= budget, (plan.assignment, plan.segments)
+        finally:
+            remat.remove(model)
+
+
+class _Residual(nn.Module):
+    def __init__(self, d: int = 8, relu_first: bool = False) -> None:
+        super().__init__()
+        self.pre = nn.ReLU(inplace=True) if relu_first else nn.Identity()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre(x)
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class _ResidualChain(nn.Module):
+    def __init__(self, writers: tuple[int, ...] = (), n: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(d, d), nn.Linear(d, 10)
+        self.blocks = nn.ModuleList(_Residual(d, k in writers) for k in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).logsumexp(-1).mean()
+
+
+def _hand_made(model: nn.Module, x: torch.Tensor, prof: remat.Profile, shapes: list) -> list[tuple[int, int]]:
+    """(predicted, measured) of each hand-made nested plan ``shapes`` (functions of the Costs), gradients checked."""
+    from remat.planning._nested import costs_of, simulate, to_plan
+
+    reference = _grads(model, x)
+    c, none, out = costs_of(prof), remat.plan(prof, strategy="none"), []
+    for shape in shapes:
+        nodes = shape(c, c.chain.policies.index)
+        assignment, segments = to_plan(c, nodes)
+        order = {b.name: assignment[b.name] for b in prof.blocks}
+        plan = replace(none, assignment=order, segments=segments, predicted_peak_bytes=simulate(c, nodes))
+        remat.apply(model, plan)
+        try:
+            assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
+            out.append((plan.predicted_peak_bytes, remat.measure(model, x, repeat=1, warmup=0).peak_bytes))
+        finally:
+            remat.remove(model)
+    return out
+
+
+def test_a_hand_made_selective_block_inside_a_segment_is_predicted_safe():
+    # The planner keeps selective blocks out of segments (their cache outlives the segment's forward: NOTE
+    # [Selective caches inside a segment]); a plan made by hand was predicted one cache under the measured
+    # peak. Now never under, over by at most one cache per forward of the block before its last.
+    torch.manual_seed(0)
+    model, x = _ResidualChain(), torch.randn(4, 64, 8)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    cache = 4 * 64 * (16 + 8) * 4  # selective saves fc1's and fc2's outputs
+    one_level = [
+        lambda c, p: (Node(0, end=2, children=(Node(0, p("selective")),)), Node(2, p("keep")), Node(3, p("keep"))),
+        lambda c, p: (Node(0, end=2, children=(Node(0, p("selective-ops")),)), Node(2, c.full), Node(3, c.full)),
+    ]
+    deeper = [
+        lambda c, p: (Node(0, p("keep")), Node(1, end=4, children=(Node(1, p("selective")), Node(2, c.full)))),
+        lambda c, p: (
+            Node(0, end=4, children=(Node(0, end=2, children=(Node(0, p("selective-ops")),)), Node(2, p("keep")))),
+        ),
+    ]
+    for predicted, measured in _hand_made(model, x, prof, one_level):
+        assert measured <= predicted <= measured + cache
+    for predicted, measured in _hand_made(model, x, prof, deeper):
+        assert measured <= predicted <= measured + 2 * cache
+
+
+def test_a_hand_made_segment_over_a_block_writing_its_input_is_predicted_safe():
+    # The planner keeps blocks that write their input (and the block before them) out of segments (NOTE [Inputs
+    # written in place inside a segment]); a plan made by hand was predicted one input under. Now never under,
+    # and over by at most one input per region holding the writer and one more.
+    torch.manual_seed(0)
+    model, x = _ResidualChain(writers=(1,)), torch.randn(4, 64, 8)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    assert [b.writes_input for b in prof.blocks] == [False, True, False, False]
+    shapes = [
+        lambda c, p: (Node(0, end=2, children=(Node(0, c.full),)), Node(2, p("keep")), Node(3, p("keep"))),
+        lambda c, p: (Node(0, end=3, children=(Node(0, p("keep")), Node(1, p("keep")))), Node(3, p("keep"))),
+        lambda c, p: (Node(0, p("keep")), Node(1, end=3, children=(Node(1, c.full),)), Node(3, p("keep"))),
+        lambda c, p: (Node(0, end=4, children=(Node(0, p("keep")), Node(1, end=3, children=(Node(1, c.full),)))),),
+    ]
+    activation = 4 * 64 * 8 * 4
+    for predicted, measured in _hand_made(model, x, prof, shapes):
+        assert measured <= predicted <= measured + 3 * activation

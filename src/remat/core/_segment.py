@@ -14,7 +14,11 @@ one ``remat.checkpoint`` region, nested ones inside (NOTE [Regions inside region
 arguments and feeding each output to the next; the segment's other blocks return,
 when the parent calls them, the segment's output they are given. That holds only
 for a chain: each such call must receive exactly that output and the same other
-arguments, or it raises a RematError (before anything else uses the result).
+arguments, or it raises a RematError (before anything else uses the result). A later
+block that raises on the first block's arguments (it takes others: a mask only some
+blocks get) raises a RematError too, naming it, with its own exception as the cause;
+the planner keeps blocks that receive different tensors out of one segment
+(``Costs.same_args`` in remat.planning._nested).
 Forward hooks of those blocks see the segment's output; their submodules' hooks run
 as usual.
 
@@ -82,9 +86,36 @@ class _Entered:
         return self.compute(*args, **kwargs)
 
 
-def _block_item(module: nn.Module) -> Any:
+class _Guest:
+    """A segment's block after its first, run with the first block's other arguments (NOTE [How a run of
+    blocks becomes one region]); where it raises on them, the parent most likely calls it with others."""
+
+    def __init__(self, compute: Any, name: str, names: list[str]) -> None:
+        self.compute = compute
+        self.name = name
+        self.names = names
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.compute(*args, **kwargs)
+        except (RematError, torch.OutOfMemoryError):
+            raise
+        except (TypeError, ValueError, AttributeError, RuntimeError) as exc:  # not torch's own control flow
+            given = len(args) - 1 + len(kwargs)
+            raise NotAChain(
+                f"remat.apply: block {self.name} sits in a nested segment {self.names[0]}..{self.names[-1]}, which "
+                f"runs every block with the previous block's output and {self.names[0]}'s other arguments "
+                f"({given} of them), and it raised {type(exc).__name__} on them: {exc}. If the parent calls "
+                f"{self.name} with other arguments than {self.names[0]}, the blocks are not a chain remat can run "
+                "as one region. Plan with remat.plan(profile, budget, nested=False) for this model (this error's "
+                "__cause__ has the block's own traceback)."
+            ) from exc
+
+
+def _block_item(module: nn.Module, name: str, names: list[str]) -> Any:
     compute = _compute(module)
-    return _Entered(module, compute) if any(b is not None for b in module._buffers.values()) else compute
+    item = _Entered(module, compute) if any(b is not None for b in module._buffers.values()) else compute
+    return item if name == names[0] else _Guest(item, name, names)
 
 
 def _compute(module: nn.Module) -> Any:
@@ -188,17 +219,20 @@ class _Skip:
         return all(_same(a, b, v) for a, b, v in zip(given, seen, versions))
 
 
-def _items(modules: list[nn.Module], spans: list[tuple[int, int]], lo: int, hi: int) -> list[Any]:
-    """Blocks lo..hi (inclusive) as items; spans (laminar, sorted by start then longest first) as nested runs."""
+def _items(
+    modules: list[nn.Module], spans: list[tuple[int, int]], lo: int, hi: int, order: Sequence[str], names: list[str]
+) -> list[Any]:
+    """Blocks lo..hi (inclusive) as items; spans (laminar, sorted by start then longest first) as nested runs;
+    ``names``: the blocks of the outermost segment."""
     items, i = [], lo
     while i <= hi:
         inner = [(a, b) for a, b in spans if a == i and b <= hi and (a, b) != (lo, hi)]
         if inner:
             a, b = inner[0]
-            items.append(_Run(_items(modules, spans, a, b)))
+            items.append(_Run(_items(modules, spans, a, b, order, names)))
             i = b + 1
         else:
-            items.append(_block_item(modules[i]))
+            items.append(_block_item(modules[i], order[i], names))
             i += 1
     return items
 
@@ -223,7 +257,8 @@ def schedule_segments(model: nn.Module, order: Sequence[str], segments: Sequence
     outer = [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
     heads = []
     for a, b in outer:
-        head = _Head(modules[a], _Run(_items(modules, spans, a, b)), list(order[a : b + 1]))
+        names = list(order[a : b + 1])
+        head = _Head(modules[a], _Run(_items(modules, spans, a, b, order, names)), names)
         heads.append((modules[a], head, [(modules[k], _Skip(modules[k], head, order[k])) for k in range(a + 1, b + 1)]))
     for module, head, skips in heads:  # everything built: now install, all at once
         module.forward = head

@@ -26,6 +26,11 @@ selective-ops inside a segment predicted 4.3% under the measured peak, "selectiv
 segment's forward to the plan inside it, which the DP's cells cannot hold. So inside a
 segment a block is "keep", "full" or "full-fine" (``Costs.inside``; exact on GPT-2 in every
 shape tried, and on conv chains); selective policies stay for the blocks between segments.
+A plan made by hand may still put one inside; the walk then adds its cache (the most a
+selective policy's forward keeps over ``full``'s) at every forward of the block but its
+own last recomputation, live until the block's backward: never under, over by at most
+one cache per such forward (the copy a recomputation makes lives "for a while", not
+known how long, so it is counted until the block's backward).
 
 NOTE [Inputs written in place inside a segment]
 A checkpointed call copies, before the write, each input its forward writes in place
@@ -38,7 +43,11 @@ ReLU(inplace=True) blocks: predicted 17% under the measured peak). The block bef
 it, whose output it writes, ends a segment whose output is written after the segment
 (measured one output over the walk: 0.96% on a conv chain). So neither a block that
 writes its input (``BlockProfile.writes_input``) nor the one before it is ever inside
-a segment (``Costs.segmentable``); the profile says so in a note.
+a segment (``Costs.segmentable``); the profile says so in a note. A plan made
+by hand may still do it: the walk then counts, for such a writer, one copy of its input
+per region that holds it and one more (the written input itself), live from the
+outermost segment's forward to the end of the step: over by at most that many inputs
+(none to three on generated chains), never under.
 
 NOTE [The nested DP]
 Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``
@@ -81,129 +90,37 @@ the rest of the chain still gets segments of its own. Not even as a segment's la
 the read may be an in-place write (``x += bias`` in the parent), and a segment whose
 output is written after it holds one output more than the walk (NOTE [Inputs written in
 place inside a segment]); the profile does not tell a read from a write there.
+
+NOTE [Arguments a segment hands on]
+A segment runs every block with its first block's other arguments (``remat.core._segment``):
+right only where the parent calls them all alike. A block given a tensor its neighbour is not
+(a mask only some layers take) raised on the first block's arguments, or computed with
+others, before the parent's call of it could be checked. The profile records which tensors
+made outside the blocks each block receives (``Profile.crossings``); a block whose set differs
+from the block before it starts a new run (``Costs.same_args``): no segment holds both. The
+chain's input, which the first block alone receives, is its hand-off, not an argument.
+Arguments that are not tensors the profile cannot see: ``remat.core._segment`` still refuses
+a chain whose calls differ at run time.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from remat.planning._nested_walk import Costs, Node, extra_time, shared_storages, simulate
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
+
+__all__ = ["Costs", "Node", "costs_of", "extra_time", "simulate", "solve_nested", "to_plan"]
 
 GRID = 256
 MAX_BLOCKS = 128
 #: Policies that run under torch's selective checkpoint inside a segment (NOTE [Selective caches inside a segment]).
 _SELECTIVE = ("selective", "selective-ops")
-
-
-@dataclass(frozen=True)
-class Node:
-    """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
-
-    start: int
-    policy: int = -1
-    end: int | None = None
-    children: tuple[Node, ...] = ()
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The chain plus what nested plans need: output bytes and forward time per block."""
-
-    chain: Chain
-    out: np.ndarray
-    fwd_s: np.ndarray
-    full: int
-    holds: np.ndarray | None = None
-    """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
-    inside: np.ndarray | None = None
-    """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
-    segmentable: np.ndarray | None = None
-    """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
-    chained: np.ndarray | None = None
-    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
-    may be inside a segment; None: every one."""
-
-
-def _fwd_record(c: Costs, nodes: tuple[Node, ...], live: int, top: int) -> tuple[int, int]:
-    ch = c.chain
-    for node in nodes:
-        if node.end is None:
-            top = max(top, live + int(ch.fwd_peak[node.start, node.policy]))
-            live += int(ch.fwd_delta[node.start, node.policy])
-        else:
-            live, top = _fwd_nosave(c, node.start, node.end, live, top)
-    return live, top
-
-
-def _fwd_nosave(c: Costs, s: int, e: int, live: int, top: int) -> tuple[int, int]:
-    ch, f = c.chain, c.full
-    for k in range(s, e):
-        top = max(top, live + int(ch.fwd_peak[k, f]))
-        live += int(ch.fwd_delta[k, f]) - (int(c.out[k - 1]) if k > s else 0)
-    return live, top
-
-
-def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[int, bool]:
-    """Block -> whether it keeps its own output until its backward under the plan (a segment's last block does not)."""
-    for node in nodes:
-        if node.end is None:
-            out[node.start] = c.holds is not None and bool(c.holds[node.start, node.policy])
-        else:
-            out[node.end - 1] = False
-            _holders(c, node.children, out)
-    return out
-
-
-def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], live: int, top: int) -> tuple[int, int]:
-    """Block k's backward as in ``policy``'s run, with its input freed where the plan frees it: that run's
-    previous block may have kept it (then this block's delta does not free it) where the plan's does not."""
-    ch = c.chain
-    if ch.bwd_delta is None:
-        raise RuntimeError("a nested view's chain has its backward deltas (remat.planning._solve.chain_profile)")
-    top = max(top, live + int(ch.bwd_peak[k, policy]))
-    live += int(ch.bwd_delta[k, policy])
-    if k > 0 and c.holds is not None:
-        in_run, in_plan = bool(c.holds[k - 1, policy]), holds.get(k - 1, False)
-        live += (int(c.out[k - 1]) if in_plan else 0) - (int(c.out[k - 1]) if in_run else 0)
-    return live, top
-
-
-def _bwd(c: Costs, nodes: tuple[Node, ...], live: int, top: int, holds: dict[int, bool]) -> tuple[int, int]:
-    for node in reversed(nodes):
-        if node.end is None:
-            live, top = _block_bwd(c, node.start, node.policy, holds, live, top)
-            continue
-        live, top = _fwd_record(c, node.children, live, top)
-        live, top = _block_bwd(c, node.end - 1, c.full, holds, live, top)
-        live, top = _bwd(c, node.children, live, top, holds)
-    return live, top
-
-
-def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
-    """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
-    ch = c.chain
-    live, top = _fwd_record(c, nodes, ch.start, ch.pre_peak)
-    top = max(top, live + int(ch.post_peak.max()))
-    _, top = _bwd(c, nodes, live + int(ch.post_delta.max()), top, _holders(c, nodes, {}))
-    return top
-
-
-def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
-    """Predicted extra step time of ``nodes``: each block's policy, plus every segment's recomputation."""
-    total = 0.0
-    for node in nodes:
-        if node.end is None:
-            total += float(c.chain.extra_s[node.start, node.policy])
-        else:
-            total += float(c.fwd_s[node.start : node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
-            total += extra_time(c, node.children)
-    return total
 
 
 def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -235,6 +152,10 @@ class _Recursion:
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]
+        if c.same_args is not None:  # and get the same arguments: none of blocks s+1..e-1 gets others than before
+            moved = np.concatenate([[0], np.cumsum(~c.same_args)])
+            moved = np.append(moved, moved[-1])
+            self.span_ok &= moved[None, :-1] == moved[1:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
         out = down(c.out)
         self.csum, self.held = self._leftovers(c, up, down)
@@ -394,7 +315,33 @@ def costs_of(profile: Profile) -> Costs | None:
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
     segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained)
+    shared = shared_storages(profile, ch)
+    return Costs(
+        ch,
+        out,
+        fwd,
+        ch.policies.index("full"),
+        holds,
+        inside,
+        segmentable,
+        chained,
+        shared,
+        writes[:-1],
+        _same_args(profile, ch),
+    )
+
+
+def _same_args(profile: Profile, ch: Chain) -> np.ndarray:
+    """[n]: block k receives the same tensors made outside the blocks as block k-1 (NOTE [Arguments a segment
+    hands on]); the chain's input, received by the first block alone, is its hand-off, not an argument."""
+    index = {b: i for i, b in enumerate(ch.blocks)}
+    got: list[set[int]] = [set() for _ in ch.blocks]
+    for i, crossing in enumerate(profile.crossings):
+        receivers = {index.get(r[1] or "", -1) for r in crossing.receivers}
+        if crossing.producer is None and receivers != {0}:
+            for k in receivers - {-1}:
+                got[k].add(i)
+    return np.array([True] + [got[k] == got[k - 1] for k in range(1, len(got))])
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:

@@ -1,0 +1,354 @@
+"""The walk that predicts a nested plan's peak (NOTE [The nested peak model] in ``remat.planning._nested``).
+
+NOTE [Storages handed to a segment from outside]
+A tensor the parent makes once and hands to several blocks (a mask, a bias added in)
+is freed where its last holder lets go (NOTE [Storages across blocks] in
+``remat.profiling._crossing``): the glue, a kept block that saves it, a checkpointed
+block that holds it among its inputs until its backward. A segment holds every
+argument of its first block (the region runs the whole segment with them) until the
+end of its backward, which is block ``s``'s backward in the walk, so a receiver inside
+a segment holds it until then whatever its own policy. The walk composes uniform runs
+block by block, and the run a step is taken from frees such a tensor where that run's
+holders let go: the keep run after the last block's forward, the full run in the first
+block's backward. Composed so, it was freed in a kept block's forward while the
+segment still held it (a segment over blocks adding in one shared tensor: predicted
+one tensor low). So the walk undoes each step's own free of it where the plan frees it
+elsewhere (the tensor stays live from there, the step's peak after the free raised by
+its size, exactly as the profile recorded it) and frees it at the end of the step where
+the plan does (live through the whole of that step: safe, by at most its size there).
+A recomputation never frees it: its run's free is undone there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from remat.planning._solve import Chain
+from remat.profiling._types import Key, Profile
+
+_NEVER = 1 << 62
+Place = tuple[str, int]
+"""Where in the step: ("pre", -1), ("fwd", k) (block k's forward and the glue after it), ("post", -1) (the
+backward glue before the last block's backward), ("bwd", k)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
+
+    start: int
+    policy: int = -1
+    end: int | None = None
+    children: tuple[Node, ...] = ()
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A storage made outside the blocks and handed to some of them (NOTE [Storages handed to a segment from
+    outside])."""
+
+    nbytes: int
+    receivers: tuple[int, ...]
+    """Chain indices of the blocks that receive it."""
+    freed: dict[int, Place | None]
+    """Per policy index: where that policy's run freed it (None: it outlived the step)."""
+    after: dict[int, int]
+    """Per policy index: most live bytes above that place's start after the free, in that run."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The chain plus what nested plans need: output bytes and forward time per block."""
+
+    chain: Chain
+    out: np.ndarray
+    fwd_s: np.ndarray
+    full: int
+    holds: np.ndarray | None = None
+    """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
+    inside: np.ndarray | None = None
+    """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
+    segmentable: np.ndarray | None = None
+    """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
+    chained: np.ndarray | None = None
+    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
+    may be inside a segment; None: every one."""
+    shared: tuple[Shared, ...] = field(default=())
+    """Storages the parent hands to blocks whose holders depend on the plan."""
+    writes: np.ndarray | None = None
+    """[n]: the block writes its input in place (NOTE [Inputs written in place inside a segment]); None: none."""
+    same_args: np.ndarray | None = None
+    """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
+    segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
+
+
+@dataclass(frozen=True)
+class _Step:
+    place: Place
+    run: int
+    """The policy index of the uniform run the step is taken from."""
+    delta: int
+    peak: int
+    again: bool = False
+    """A recomputation (a segment's forward rerun in its backward)."""
+
+
+def _fwd_record(c: Costs, nodes: tuple[Node, ...], steps: list[_Step], again: bool) -> None:
+    ch = c.chain
+    for node in nodes:
+        if node.end is None:
+            k, p = node.start, node.policy
+            steps.append(_Step(("fwd", k), p, int(ch.fwd_delta[k, p]), int(ch.fwd_peak[k, p]), again))
+        else:
+            _fwd_nosave(c, node.start, node.end, steps, again)
+
+
+def _fwd_nosave(c: Costs, s: int, e: int, steps: list[_Step], again: bool) -> None:
+    ch, f = c.chain, c.full
+    for k in range(s, e):
+        delta = int(ch.fwd_delta[k, f]) - (int(c.out[k - 1]) if k > s else 0)
+        steps.append(_Step(("fwd", k), f, delta, int(ch.fwd_peak[k, f]), again))
+
+
+def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[int, bool]:
+    """Block -> whether it keeps its own output until its backward under the plan (a segment's last block does not)."""
+    for node in nodes:
+        if node.end is None:
+            out[node.start] = c.holds is not None and bool(c.holds[node.start, node.policy])
+        else:
+            out[node.end - 1] = False
+            _holders(c, node.children, out)
+    return out
+
+
+def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], steps: list[_Step]) -> None:
+    """Block k's backward as in ``policy``'s run, with its input freed where the plan frees it: that run's
+    previous block may have kept it (then this block's delta does not free it) where the plan's does not."""
+    ch = c.chain
+    if ch.bwd_delta is None:
+        raise RuntimeError("a nested view's chain has its backward deltas (remat.planning._solve.chain_profile)")
+    delta = int(ch.bwd_delta[k, policy])
+    if k > 0 and c.holds is not None:
+        in_run, in_plan = bool(c.holds[k - 1, policy]), holds.get(k - 1, False)
+        delta += (int(c.out[k - 1]) if in_plan else 0) - (int(c.out[k - 1]) if in_run else 0)
+    steps.append(_Step(("bwd", k), policy, delta, int(ch.bwd_peak[k, policy])))
+
+
+def _bwd(c: Costs, nodes: tuple[Node, ...], holds: dict[int, bool], steps: list[_Step]) -> None:
+    for node in reversed(nodes):
+        if node.end is None:
+            _block_bwd(c, node.start, node.policy, holds, steps)
+            continue
+        _fwd_record(c, node.children, steps, True)
+        _block_bwd(c, node.end - 1, c.full, holds, steps)
+        _bwd(c, node.children, holds, steps)
+
+
+def _walk(c: Costs, nodes: tuple[Node, ...]) -> list[_Step]:
+    ch = c.chain
+    steps: list[_Step] = []
+    _fwd_record(c, nodes, steps, False)
+    post = int(np.argmax(ch.post_delta))
+    steps.append(_Step(("post", -1), post, int(ch.post_delta.max()), int(ch.post_peak.max())))
+    _bwd(c, nodes, _holders(c, nodes, {}), steps)
+    return steps
+
+
+def _policies(nodes: tuple[Node, ...]) -> dict[int, int | None]:
+    """Block -> its policy under the plan; None for a block inside a segment (the segment holds its inputs)."""
+    out: dict[int, int | None] = {}
+    for node in nodes:
+        if node.end is None:
+            out[node.start] = node.policy
+        else:
+            out.update(dict.fromkeys(range(node.start, node.end)))
+    return out
+
+
+def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+    """Per step index: (bytes added to its delta, least its peak reaches) for ``c.shared`` (NOTE [Storages
+    handed to a segment from outside])."""
+    if not c.shared:
+        return {}
+    first: dict[Place, int] = {}
+    for i, step in enumerate(steps):
+        if not step.again:
+            first.setdefault(step.place, i)
+    ends = {}  # block in a top-level segment -> where the segment lets go of its inputs
+    for node in nodes:
+        if node.end is not None:
+            ends.update(dict.fromkeys(range(node.start, node.end), first[("bwd", node.start)]))
+    policy = _policies(nodes)
+    keep = c.chain.policies.index("keep") if "keep" in c.chain.policies else None
+
+    def position(place: Place | None) -> int:
+        return _NEVER if place is None else first.get(place, -1)
+
+    out: dict[int, list[int]] = {}
+    for sh in c.shared:
+        latest = min(position(place) for place in sh.freed.values())
+        for r in sh.receivers:
+            if r in ends:
+                latest = max(latest, ends[r])
+            elif policy.get(r) == keep and keep is not None:
+                latest = max(latest, position(sh.freed.get(keep)))
+            else:
+                latest = max(latest, first[("bwd", r)])
+        at = None if latest >= _NEVER or latest < 0 else latest
+        run_frees = [i for i, s in enumerate(steps) if sh.freed.get(s.run) == s.place]
+        for i in run_frees:
+            if i != at:  # the run freed it here (a recomputation never frees it), the plan does not
+                entry = out.setdefault(i, [0, 0])
+                entry[0] += sh.nbytes
+                entry[1] = max(entry[1], sh.after[steps[i].run] + entry[0])
+        if at is not None and at not in run_frees:  # the plan frees it here, the run did not
+            out.setdefault(at, [0, 0])[0] -= sh.nbytes
+    return {i: (d, least) for i, (d, least) in out.items()}
+
+
+def _leaves(nodes: tuple[Node, ...], out: dict[int, int]) -> dict[int, int]:
+    """Block -> the policy it runs under innermost (a segment's last block: ``full``)."""
+    for node in nodes:
+        if node.end is None:
+            out[node.start] = node.policy
+        else:
+            _leaves(node.children, out)
+    return out
+
+
+def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+    """A selective block inside a segment keeps a cache from every forward of it but its own last recomputation
+    until its backward (NOTE [Selective caches inside a segment] in remat.planning._nested): per step index,
+    (bytes added to its delta, least its peak reaches)."""
+    if c.inside is None:
+        return {}
+    ch, leaves = c.chain, _leaves(nodes, {})
+    out: dict[int, tuple[int, int]] = {}
+    for k, p in leaves.items():
+        if bool(c.inside[p]):
+            continue
+        cache = max(int(ch.fwd_delta[k, j] - ch.fwd_delta[k, c.full]) for j in np.flatnonzero(~c.inside))
+        made = [i for i, s in enumerate(steps) if s.place == ("fwd", k) and s.run != p]
+        if cache <= 0 or not made:
+            continue
+        for i in made:  # a forward of it under its segment: its cache on top of the full run's numbers
+            d, least = out.get(i, (0, 0))
+            out[i] = (d + cache, max(least, steps[i].peak + d + cache))
+        bwd = next(i for i, s in enumerate(steps) if s.place == ("bwd", k))
+        d, least = out.get(bwd, (0, 0))
+        out[bwd] = (d - cache * len(made), least)  # let go with its backward (live through all of it: safe)
+    return out
+
+
+def _segments_over(nodes: tuple[Node, ...], k: int, depth: int = 0) -> tuple[int, Node | None]:
+    """(how many segments hold block k, the outermost of them)."""
+    for node in nodes:
+        if node.end is not None and node.start <= k < node.end:
+            inner, _ = _segments_over(node.children, k, depth + 1)
+            return max(inner, depth + 1), node
+    return depth, None
+
+
+def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+    """Copies of a written input a block inside a segment, or right after one, makes (NOTE [Inputs written in
+    place inside a segment] in remat.planning._nested), per step index: on the safe side, one per region that
+    holds the block and one more, live from the outermost segment's forward to the end of the step."""
+    if c.writes is None or not c.writes.any():
+        return {}
+    out: dict[int, tuple[int, int]] = {}
+    for k in map(int, np.flatnonzero(c.writes)):
+        depth, outer = _segments_over(nodes, k)
+        before, outer_before = _segments_over(nodes, k - 1) if k > 0 else (0, None)
+        if outer is None and outer_before is None:
+            continue
+        first = min(n.start for n in (outer, outer_before) if n is not None)
+        extra = (max(depth, before) + 1) * int(c.out[k - 1] if k > 0 else 0)
+        at = next(i for i, s in enumerate(steps) if s.place == ("fwd", first))
+        d, least = out.get(at, (0, 0))
+        out[at] = (d + extra, max(least, steps[at].peak + d + extra))
+    return out
+
+
+def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
+    """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
+    steps = _walk(c, nodes)
+    fixes = _shared_fixes(c, nodes, steps)
+    for extra in (_selective_caches(c, nodes, steps), _written_inputs(c, nodes, steps)):
+        for i, (d, least) in extra.items():
+            d0, least0 = fixes.get(i, (0, 0))
+            fixes[i] = (d0 + d, max(least0 + d, least + d0))
+    live, top = c.chain.start, c.chain.pre_peak
+    for i, step in enumerate(steps):
+        added, least = fixes.get(i, (0, 0))
+        top = max(top, live + step.peak, live + least)
+        live += step.delta + added
+    return top
+
+
+def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
+    """Predicted extra step time of ``nodes``: each block's policy, plus every segment's recomputation."""
+    total = 0.0
+    for node in nodes:
+        if node.end is None:
+            total += float(c.chain.extra_s[node.start, node.policy])
+        else:
+            total += float(c.fwd_s[node.start : node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
+            total += extra_time(c, node.children)
+    return total
+
+
+def _places(profile: Profile) -> dict[Key, Place]:
+    """Every segment key of the profile -> the walk's place that holds it."""
+    out: dict[Key, Place] = {}
+    block, index = -1, dict[str, int]()
+    for key in profile.fwd_order:
+        if key[1] is not None:
+            block = index.setdefault(key[1], len(index))
+        out[key] = ("fwd", block) if block >= 0 else ("pre", -1)
+    seen = False
+    for key in profile.bwd_order:
+        name = key[1]
+        seen = seen or name is not None
+        out[key] = ("bwd", index[name]) if name is not None else ("bwd" if seen else "post", -1)
+    return out
+
+
+def shared_storages(profile: Profile, chain: Chain) -> tuple[Shared, ...]:
+    """The glue-made storages handed to blocks, with each run's free placed in the walk (``Costs.shared``)."""
+    places, index = _places(profile), {b: i for i, b in enumerate(chain.blocks)}
+    groups: dict[Place, list[Key]] = {}
+    for key in (*profile.fwd_order, *profile.bwd_order):
+        groups.setdefault(places[key], []).append(key)
+    out = []
+    for crossing in profile.crossings:
+        receivers = [index.get(r[1] or "") for r in crossing.receivers]
+        if crossing.producer is not None or None in receivers:
+            continue
+        freed: dict[int, Place | None] = {}
+        after: dict[int, int] = {}
+        for j, pol in enumerate(chain.policies):
+            where = crossing.freed.get(pol, ("?", None, -1))
+            if where is not None and where not in places:
+                break  # freed where the walk has no place: leave it to the runs' own numbers
+            freed[j] = None if where is None else places[where]
+            if where is not None:
+                after[j] = _after_free(profile, pol, groups[places[where]], where, crossing.after.get(pol, 0))
+        else:
+            out.append(Shared(crossing.nbytes, tuple(r for r in receivers if r is not None), freed, after))
+    return tuple(out)
+
+
+def _after_free(profile: Profile, policy: str, group: list[Key], key: Key, after: int) -> int:
+    """Most live bytes above the start of ``group`` (a place's segments) after the free in ``key``."""
+    costs = profile.segments[policy]
+    live, top, found = 0, 0, False
+    for k in group:
+        cost = costs[k]
+        if k == key:
+            top, found = live + after, True
+        elif found:
+            top = max(top, live + cost.excess)
+        live += cost.delta + cost.cast_release
+    return top
