@@ -1,24 +1,34 @@
 """Seed 002's model at its own size: ``remat.auto`` on a forward with no submodules, traced and cut.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/seed002.py [LOOPS] [OPS]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/seed002.py [LOOPS OPS] [--write]
 
 ``HeavyModel``'s forward loops ``heavy_function`` LOOPS times (1000), each OPS ops (100): 100,000 ops
 on a scalar, with ``*`` for the seed's ``+`` (an add keeps nothing for backward, a mul keeps its
 input). Prints the peak without checkpointing, the plan's predicted and measured peaks (and their
 ratio), whether the loss and the gradients are ``torch.equal`` to the step without checkpointing,
-and how long ``remat.profile`` and ``remat.auto`` took, in seconds and in units of one plain step.
+and how long ``remat.auto`` took: wall seconds, units of one plain step, and the process's CPU seconds
+(on a shared machine the wall clock mostly measures the other jobs). The middle segments of the traced
+forward run the same ops, so the profile runs a chain of five of them and widens it (NOTE [Identical
+segments are profiled once] in ``remat.profiling._traced_repeat``); the plan is verified on the whole
+model. ``--write`` puts the figures into BENCHMARKS.md between the markers
+``<!-- benchmarks/seed002.py writes from here -->`` and ``<!-- benchmarks/seed002.py wrote up to here -->``
+(at the end of the file the first time; only that section is touched).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import remat
+from remat.profiling import _traced_repeat
 
 
 def make_model(loops: int, ops: int) -> nn.Module:
@@ -48,8 +58,46 @@ def step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Te
     return loss.detach(), [x.grad, *(p.grad for p in model.parameters())]
 
 
+BEGIN, END = "<!-- benchmarks/seed002.py writes from here -->", "<!-- benchmarks/seed002.py wrote up to here -->"
+
+
+def _write(lines: list[str], ops: int) -> None:
+    path = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else ""
+    command = "OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/seed002.py " + " ".join(sys.argv[1:])
+    machine = (
+        f"{platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs "
+        f"(load average {os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s), {time.strftime('%Y-%m-%d', time.gmtime())}"
+    )
+    section = "\n".join(
+        [
+            BEGIN,
+            "",
+            f"## Seed 002's model: a traced forward of {ops:,} ops",
+            "",
+            f"`{command}`",
+            "",
+            f"{machine}:",
+            "",
+            "```",
+            *lines,
+            "```",
+            "",
+            END,
+        ]
+    )
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
 def main() -> None:
-    loops, ops = (int(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else (1000, 100)))
+    write = "--write" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--write"]
+    loops, ops = (int(a) for a in (args[:2] if len(args) > 1 else (1000, 100)))
     torch.manual_seed(0)
     model, x = make_model(loops, ops), torch.tensor(0.5)
     plain = copy.deepcopy(model)
@@ -59,6 +107,9 @@ def main() -> None:
     one_step = time.perf_counter() - start
     base = remat.measure(plain, x.requires_grad_(), warmup=0, repeat=1).peak_bytes
 
+    widened: list = []
+    widen = _traced_repeat.widen
+    _traced_repeat.widen = lambda *args: widened.append(widen(*args)) or widened[-1]  # to say what ran
     start, cpu = time.perf_counter(), time.process_time()
     plan = remat.auto(model, x, budget=0.5)
     auto_s, auto_cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -66,6 +117,8 @@ def main() -> None:
     equal = torch.equal(got_loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
     measured = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
     checkpointed = sum(policy != "keep" for policy in plan.assignment.values())
+    lines: list[str] = []
+    print = lines.append  # noqa: A001 (printed below, and written with --write)
     print(f"HeavyModel {loops}x{ops} = {loops * ops} ops, torch {torch.__version__}, CPU")
     print(
         f"one plain step: {one_step:.3f} s; peak without checkpointing: {base} bytes "
@@ -78,6 +131,10 @@ def main() -> None:
     )
     print(f"loss and gradients torch.equal to no checkpointing: {equal}")
     print(f"remat.auto: {auto_s:.1f} s = {auto_s / one_step:.0f} plain steps; CPU time {auto_cpu:.1f} s")
+    print(f"profiled: {widened[-1].notes[-1] if widened and widened[-1] else 'the whole chain'}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    if write:
+        _write(lines, loops * ops)
 
 
 if __name__ == "__main__":
