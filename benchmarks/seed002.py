@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.profiling import _traced_repeat
 
 
 def make_model(loops: int, ops: int) -> nn.Module:
@@ -70,9 +71,12 @@ def _run(loops: int, ops: int) -> None:
     one_step = time.perf_counter() - start
     base = remat.measure(plain, x.requires_grad_(), warmup=0, repeat=1).peak_bytes
 
-    start = time.perf_counter()
+    widened: list = []
+    widen = _traced_repeat.widen
+    _traced_repeat.widen = lambda *args: widened.append(widen(*args)) or widened[-1]  # to say what ran
+    start, cpu = time.perf_counter(), time.process_time()
     plan = remat.auto(model, x, budget=0.5)
-    auto_s = time.perf_counter() - start
+    auto_s, auto_cpu = time.perf_counter() - start, time.process_time() - cpu
     got_loss, got_grads = step(model, x)
     equal = torch.equal(got_loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
     measured = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
@@ -88,7 +92,8 @@ def _run(loops: int, ops: int) -> None:
         f"measured {measured} ({measured / base:.3f}); predicted/measured {plan.predicted_peak_bytes / measured:.4f}"
     )
     print(f"loss and gradients torch.equal to no checkpointing: {equal}")
-    print(f"remat.auto: {auto_s:.1f} s = {auto_s / one_step:.0f} plain steps")
+    print(f"remat.auto: {auto_s:.1f} s = {auto_s / one_step:.0f} plain steps; CPU time {auto_cpu:.1f} s")
+    print(f"profiled: {widened[-1].notes[-1] if widened and widened[-1] else 'the whole chain'}")
 
 
 if __name__ == "__main__":

@@ -233,3 +233,53 @@ def test_one_trace_serves_profile_and_every_put_and_a_changed_attribute_traces_a
     model.loops = 12  # the forward's Python reads it: the kept trace no longer holds
     names = [b.name for b in remat.profile(model, x, policies=("keep", "full"), warmup=0, repeat=1).blocks]
     assert len(traces) == 2 and max(int(n.rsplit("_", 1)[1]) for n in names[:-1]) < 12 * 10
+
+
+def test_identical_segments_are_profiled_once_and_widened_exactly(monkeypatch):
+    # NOTE [Identical segments are profiled once]: the short chain's profile, widened, is the whole chain's
+    import random
+
+    from remat.profiling import _traced_repeat
+
+    torch.manual_seed(0)
+    model, x = HeavyModel(loops=32), torch.randn(64)  # 320 ops: 32 segments of 10
+    ran = []
+    monkeypatch.setattr(_traced_repeat, "short_chain", _spy(_traced_repeat.short_chain, ran))
+    wide = remat.profile(model, x, fake=True, target="cpu")
+    assert ran[-1] is not None and len(ran[-1][1]) == 5  # a chain of 5 segments ran
+    assert len(wide.blocks) == 32 and any("profiled once" in note for note in wide.notes)
+    monkeypatch.setattr(_traced_repeat, "widen", lambda *args: None)  # the whole chain, for comparison
+    whole = remat.profile(model, x, fake=True, target="cpu")
+    assert wide.blocks == whole.blocks
+    assert (wide.fwd_order, wide.bwd_order) == (whole.fwd_order, whole.bwd_order)
+    assert wide.segments == whole.segments
+    assert (wide.crossings, wide.recomputes) == (whole.crossings, whole.recomputes)
+    assert wide.step_time_s == pytest.approx(whole.step_time_s)
+    rng = random.Random(0)
+    names = [b.name for b in whole.blocks]
+    for _ in range(50):
+        mix = {n: rng.choice(whole.policies) for n in names if rng.random() < 0.5}
+        assert wide.predict_peak(mix) == whole.predict_peak(mix)
+
+
+def _spy(fn, calls):
+    def spy(*args):
+        calls.append(fn(*args))
+        return calls[-1]
+
+    return spy
+
+
+def test_segments_that_differ_are_profiled_whole():
+    class Growing(HeavyModel):
+        def forward(self, x):
+            for k in range(self.loops):  # k + 1 muls then a sin: no two segments alike
+                for _ in range(k + 1):
+                    x = x * self.a
+                x = torch.sin(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Growing(loops=24), torch.randn(64)
+    prof = remat.profile(model, x, policies=("keep", "full"), fake=True, target="cpu")
+    assert len(prof.blocks) == 32 and not any("profiled once" in note for note in prof.notes)

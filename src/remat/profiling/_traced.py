@@ -39,6 +39,7 @@ from typing import Any
 from torch import fx, nn
 
 from remat.errors import RematError
+from remat.profiling import _traced_repeat
 from remat.profiling._traced_cut import (
     MAX_SEGMENTS,
     MIN_SEGMENT_OPS,
@@ -175,13 +176,18 @@ def _has_attr(model: nn.Module, target: str) -> bool:
     return True
 
 
-def _install(model: nn.Module, trace: Traced, signature: inspect.Signature, cuts: list[int]) -> list[str]:
+def _install(
+    model: nn.Module, trace: Traced, signature: inspect.Signature, cuts: list[int], only: list[int] | None = None
+) -> list[str]:
+    """Install the chain cut at ``cuts`` (``only``: those segments of it, a shorter chain); their names."""
     if HOLDER in model._modules or hasattr(model, HOLDER):
         raise TracedError(f"it already has an attribute {HOLDER!r}")
     nodes, carries = trace.nodes, trace.carries
     bounds = [-1, *cuts, len(nodes) - 1]
     segments: OrderedDict[str, nn.Module] = OrderedDict()
     for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        if only is not None and k not in only:
+            continue
         last = k == len(bounds) - 2
         if (lo, hi) not in trace.code:  # NOTE [One trace per model and mode]
             graph = _segment_graph(nodes, lo + 1, hi, carries.get(lo), None if last else carries[hi])
@@ -213,7 +219,9 @@ def _values(signature: inspect.Signature, inputs: Any) -> tuple:
     return tuple(bound.arguments.values())
 
 
-def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
+def _cut(model: nn.Module, inputs: Any, training: bool | None, shorten: bool) -> tuple[list[str], list[str]]:
+    """Install the segments to profile; their names, and those of the whole chain (NOTE [Identical segments are
+    profiled once]: the first may be a shorter chain)."""
     signature = _signature(model)
     try:
         values = _values(signature, inputs)
@@ -233,23 +241,36 @@ def _cut(model: nn.Module, inputs: Any, training: bool | None) -> list[str]:
             "from one op to the rest (two or more values are alive after every op), so it cannot "
             "be cut into a chain"
         )
-    sizes = _sizes(trace.gm, values)
+    found = _sizes(trace.gm, values)
+    sizes, metas = found if found is not None else (None, None)
     if sizes is not None:  # a chain passes tensors: a tuple or a number alive alone is no place to cut
         carries = {p: n for p, n in carries.items() if n in sizes}
     cuts = _choose_cuts(nodes, carries, sizes)
-    return _install(model, trace, signature, cuts)
+    only = None
+    short = _traced_repeat.short_chain(nodes, carries, cuts, metas)  # NOTE [Identical segments are profiled once]
+    if short is not None:
+        cuts, only = short[0], short[1] if shorten else None
+    return _install(model, trace, signature, cuts, only), _install_names(nodes, cuts)
+
+
+def _install_names(nodes: list[fx.Node], cuts: list[int]) -> list[str]:
+    """The unit names of the chain cut at ``cuts``."""
+    return [f"{HOLDER}.{_PREFIX}{nodes[c].name}" for c in cuts] + [f"{HOLDER}.{_PREFIX}output"]
 
 
 @contextmanager
-def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: str, hint: str) -> Iterator[list[str]]:
-    """The names of ``model``'s traced segments (traced in ``training`` mode), installed for the ``with`` body
-    and taken off after it.
+def traced_units(
+    model: nn.Module, inputs: Any, *, training: bool | None, api: str, hint: str, shorten: bool = True
+) -> Iterator[tuple[list[str], list[str]]]:
+    """The names of ``model``'s traced segments (traced in ``training`` mode) installed for the ``with`` body
+    and taken off after it, and those of the whole chain: the installed ones are a shorter chain when its
+    middle segments repeat (NOTE [Identical segments are profiled once]).
 
     A RematError says why when the model has no blocks and cannot be cut along its traced forward either;
     the model is then left exactly as it was.
     """
     try:
-        names = _cut(model, inputs, training)
+        names, full = _cut(model, inputs, training, shorten)
     except TracedError as exc:
         uninstall(model)
         raise RematError(
@@ -258,7 +279,7 @@ def traced_units(model: nn.Module, inputs: Any, *, training: bool | None, api: s
             f"consider{hint}."
         ) from exc
     try:
-        yield names
+        yield names, full
     finally:
         uninstall(model)
 

@@ -101,6 +101,7 @@ class _Sizes(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, fake: Any) -> None:
         super().__init__(gm)
         self.sizes: dict[fx.Node, int] = {}
+        self.metas: dict[fx.Node, tuple] = {}
         self.fake = fake
         self.attrs: dict[str, Any] = {}
 
@@ -115,11 +116,13 @@ class _Sizes(fx.Interpreter):
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             self.sizes[n] = out.numel() * out.element_size()
+            self.metas[n] = (tuple(out.shape), tuple(out.stride()), out.dtype)
         return out
 
 
-def _sizes(gm: fx.GraphModule, values: tuple) -> dict[fx.Node, int] | None:
-    """Bytes of every tensor value, run on fake tensors (nothing allocated); None when fake tensors cannot run it."""
+def _sizes(gm: fx.GraphModule, values: tuple) -> tuple[dict[fx.Node, int], dict[fx.Node, tuple]] | None:
+    """Bytes of every tensor value, and its shape, strides and dtype, run on fake tensors (nothing allocated);
+    None when fake tensors cannot run it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -130,7 +133,7 @@ def _sizes(gm: fx.GraphModule, values: tuple) -> dict[fx.Node, int] | None:
             sizes.run(*fake)
     except Exception:  # noqa: BLE001 (.item(), data-dependent shapes: cuts are then spread by op count)
         return None
-    return sizes.sizes
+    return sizes.sizes, sizes.metas
 
 
 def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[fx.Node, int] | None) -> list[int]:

@@ -81,22 +81,29 @@ def profile(
     names = find_blocks(model, blocks)
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
         from remat.profiling._traced import traced_units
+        from remat.profiling._traced_repeat import widen
 
-        with traced_units(model, inputs, training=training, api="remat.profile", hint=suggest_blocks(model)) as names:
-            return profile(
-                model,
-                inputs,
-                loss_fn,
-                blocks=names,
-                policies=policies,
-                warmup=warmup,
-                repeat=repeat,
-                fake=fake,
-                target=target,
-                training=training,
-                optimizer=optimizer,
-                accumulation_steps=accumulation_steps,
-            )
+        hint = suggest_blocks(model)
+        options = dict(
+            policies=policies,
+            warmup=warmup,
+            repeat=repeat,
+            fake=fake,
+            target=target,
+            training=training,
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
+        )
+        with traced_units(model, inputs, training=training, api="remat.profile", hint=hint) as (names, full):
+            prof = profile(model, inputs, loss_fn, blocks=names, **options)
+        wide = prof if names == full else widen(prof, names, full)  # NOTE [Identical segments are profiled once]
+        if wide is None:  # a record the widening cannot place: the whole chain is profiled
+            with traced_units(model, inputs, training=training, api="remat.profile", hint=hint, shorten=False) as (
+                names,
+                _,
+            ):
+                wide = profile(model, inputs, loss_fn, blocks=names, **options)
+        return wide
     policies = validate_policies(policies)
     loop = make_loop(model, optimizer, accumulation_steps, "remat.profile")
     if training is not None and not isinstance(training, bool):
