@@ -10,6 +10,8 @@ Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
   against the budget (NOTE [Within the budget] in remat.planning.apply);
 * auto's wall time in units of one training step without checkpointing: auto and a plain step
   timed in alternation, ``--rounds`` times, medians of each (the machine's load drifts alike for both);
+* where auto's time goes: the phases of the last timed call, as shares of it (NOTE [Where the time goes]
+  in remat.core._costs; ``remat profile -v`` logs the same);
 * what auto chose and how many real steps it verified with.
 
 ``--write`` puts the table into BENCHMARKS.md between this script's markers (``benchmarks/_sections.py``).
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 import remat
+from remat.core._costs import Costs, costs
 from remat.core._step import input_tensors, training_step
 from remat.planning import _verify
 from remat.profiling._format import human_bytes
@@ -65,42 +68,10 @@ SIZES = {
         "batch": 8,
     },
 }
-#: The fit tests' sizes (tests/planning/test_fit.py): seconds per model.
-QUICK = {
-    "gpt2": {"layers": 3, "hidden": 64, "heads": 4, "vocab": 512, "seq": 64, "batch": 2},
-    "llama": {
-        "layers": 3,
-        "hidden": 64,
-        "intermediate": 172,
-        "heads": 4,
-        "kv_heads": 2,
-        "vocab": 512,
-        "seq": 64,
-        "batch": 2,
-    },
-    "vit": {
-        "layers": 3,
-        "hidden": 32,
-        "intermediate": 64,
-        "heads": 2,
-        "image": 64,
-        "patch": 8,
-        "classes": 10,
-        "batch": 2,
-        "dropout": 0.1,
-    },
-    "resnet50": {
-        "depths": (3, 3),
-        "hidden_sizes": (32, 32),
-        "embedding_size": 4,
-        "image": 32,
-        "classes": 10,
-        "batch": 8,
-    },
-}
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import _sections  # noqa: E402  (this folder's writer of BENCHMARKS.md)
 from _device import SimulatedDevice  # noqa: E402  (the fit tests' device: real storages, fake tensors not counted)
+from _fit_zoo import ZOO as QUICK  # noqa: E402  (the fit tests' sizes: seconds per model)
 
 
 def _auto(zoo, budget: int) -> remat.Plan:
@@ -128,8 +99,8 @@ def _own_peak(zoo, budget: int) -> tuple[int, remat.Plan, int]:
     return device.peak, plan, steps[0]
 
 
-def _times(zoo, budget: int, rounds: int) -> tuple[float, float]:
-    """Medians of (one step without checkpointing, one auto call), timed in alternation."""
+def _times(zoo, budget: int, rounds: int) -> tuple[float, float, Costs]:
+    """Medians of (one step without checkpointing, one auto call), timed in alternation; the last call's phases."""
     training_step(zoo.model, zoo.inputs, zoo.loss_fn)  # warm-up, outside the rounds
     zoo.model.zero_grad(set_to_none=True)
     steps, autos = [], []
@@ -139,16 +110,24 @@ def _times(zoo, budget: int, rounds: int) -> tuple[float, float]:
         steps.append(time.perf_counter() - start)
         zoo.model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        _auto(zoo, budget)
+        with costs("remat.auto") as ledger:
+            _auto(zoo, budget)
         autos.append(time.perf_counter() - start)
-    return statistics.median(steps), statistics.median(autos)
+    return statistics.median(steps), statistics.median(autos), ledger
+
+
+def _where(ledger: Costs) -> str:
+    """The phases that took a tenth of the call or more, with their shares."""
+    total = ledger.total()
+    big = sorted(((s, p) for p, s in ledger.seconds.items() if s >= 0.1 * total), reverse=True)
+    return ", ".join(f"{p} {s / total:.0%} ({ledger.counts[p]}x)" for s, p in big)
 
 
 def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
     lines = [
         "| model | budget | peak without checkpointing | remat's own peak during auto | within | "
-        "auto, in steps | one step | real steps verified | plan |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "auto, in steps | one step | where auto's time goes | real steps verified | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, options in sizes.items():
         zoo = build(name, **options)
@@ -157,7 +136,7 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
             budget = int(fraction * keep)
             torch.manual_seed(0)
             own, plan, verified = _own_peak(zoo, budget)
-            step_s, auto_s = _times(zoo, budget, rounds)
+            step_s, auto_s, ledger = _times(zoo, budget, rounds)
             policies = ", ".join(
                 f"{n} {p}"
                 for p, n in sorted(
@@ -167,7 +146,7 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
             lines.append(
                 f"| {name} | {fraction} ({human_bytes(budget)}) | {human_bytes(keep)} | {human_bytes(own)} | "
                 f"{'yes' if own <= budget else 'NO'} | {auto_s / step_s:.1f} | {step_s * 1e3:.0f} ms | "
-                f"{verified} | {policies} |"
+                f"{_where(ledger)} | {verified} | {policies} |"
             )
             print(lines[-1], flush=True)
     return lines

@@ -8,7 +8,7 @@ device in tests/_device.py.
 import pytest
 import torch
 from _device import SimulatedDevice, resting
-from conftest import SMALL
+from _fit_zoo import ZOO
 from test_verify import Block
 from torch import nn
 
@@ -21,34 +21,6 @@ from remat.zoo import build
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(*(Block() for _ in range(6))), torch.randn(32, 32, 32), None
-
-
-#: Small zoo models (a step in well under a second on 2 CPU cores), with the zoo's dropout where it has one.
-ZOO = {
-    "gpt2": SMALL["gpt2"],
-    "llama": SMALL["llama"],
-    # ViT and ResNet with activations well above their parameters, so that 0.6 of the step is above the lowest
-    # peak any plan reaches (a ResNet block under full keeps its input, half of what it keeps without checkpointing)
-    "vit": {
-        "layers": 3,
-        "hidden": 32,
-        "intermediate": 64,
-        "heads": 2,
-        "image": 64,
-        "patch": 8,
-        "classes": 10,
-        "batch": 2,
-        "dropout": 0.1,
-    },
-    "resnet50": {
-        "depths": (3, 3),
-        "hidden_sizes": (32, 32),
-        "embedding_size": 4,
-        "image": 32,
-        "classes": 10,
-        "batch": 8,
-    },
-}
 
 
 def _zoo(name):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from remat.core._costs import spent
+
 __all__ = ["Fingerprint", "fingerprint"]
 
 #: Elements summarised at a time: at most ``_CHUNK``, at least ``_MIN_CHUNK``, else a ``_PARTS``-th of the
@@ -107,7 +109,7 @@ def _same_loss(a: float, b: float, exact: bool) -> bool:
 def fingerprint(model: nn.Module, loss: float) -> Fingerprint:
     """Summarise what the step just run on ``model`` left: its loss, every gradient, every buffer."""
     tensors: dict[str, _Summary | None] = {}
-    with torch.no_grad():
+    with spent("fingerprints"), torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
                 tensors[f"grad:{name}"] = None if p.grad is None else _summarise(p.grad)

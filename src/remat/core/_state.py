@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core._costs import spent
 from remat.errors import RematError
 
 # NOTE [Snapshots a step without an optimizer needs]
@@ -68,6 +69,10 @@ class ModelState:
 
     def restore(self) -> None:
         """Put everything back; every part is tried, and a RematError names those that could not be."""
+        with spent("restores"):
+            self._restore()
+
+    def _restore(self) -> None:
         failures: list[str] = []
         with torch.no_grad():
             for name, p in self.model.named_parameters(remove_duplicate=False):
@@ -132,13 +137,14 @@ def capture(model: nn.Module, api: str = "remat", *, parameters: bool = True) ->
     """Snapshot ``model`` and the RNG streams (to CPU memory); ``api`` names the caller in restore errors;
     ``parameters=False`` leaves out the parameters' values, for steps that do not change them (NOTE [Snapshots
     a step without an optimizer needs])."""
-    params = {
-        name: (_copy(p) if parameters else None, _copy(p.grad), p.requires_grad)
-        for name, p in model.named_parameters(remove_duplicate=False)
-    }
-    buffers = {name: _copy(b) for name, b in model.named_buffers(remove_duplicate=False)}
-    training = {name: m.training for name, m in model.named_modules(remove_duplicate=False)}
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    with spent("snapshots"):
+        params = {
+            name: (_copy(p) if parameters else None, _copy(p.grad), p.requires_grad)
+            for name, p in model.named_parameters(remove_duplicate=False)
+        }
+        buffers = {name: _copy(b) for name, b in model.named_buffers(remove_duplicate=False)}
+        training = {name: m.training for name, m in model.named_modules(remove_duplicate=False)}
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return ModelState(model, params, buffers, training, torch.get_rng_state(), cuda_rng, api)
 
 

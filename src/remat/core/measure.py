@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from remat.core._compiled import eager_module
+from remat.core._costs import spent
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture, restoring
@@ -121,7 +122,8 @@ def _peak(
     device = device_of(model, inputs)
     loop.steady(model, inputs, loss_fn)
     loop.start(model)
-    gc.collect()
+    with spent("garbage collections"):
+        gc.collect()
     step = lambda: training_step(model, inputs, loss_fn, loop.optimizer)  # noqa: E731
     if device.type == "cuda":
         _sync(device)

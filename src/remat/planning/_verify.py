@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core._costs import spent
 from remat.core._fingerprint import Fingerprint, fingerprint
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
 from remat.core._memtrack import empty_device_cache
@@ -121,7 +122,8 @@ def _measured(
     then without a summary); model and optimizer restored. A step that runs out of device memory raises
     :class:`OutOfMemory` (NOTE [Out of memory is an answer])."""
     try:
-        return _step(model, inputs, loss_fn, plan, backend, loop)
+        with spent("verification steps"):
+            return _step(model, inputs, loss_fn, plan, backend, loop)
     except torch.OutOfMemoryError as exc:  # torch.cuda.OutOfMemoryError is the same class
         reason = out_of_memory_reason(exc)
     # the failed step's tensors are garbage now: free them, then give the allocator's cache back
@@ -211,15 +213,17 @@ class _Candidates:
 
     def plan(self, budget: int | None) -> Plan:
         # bytes with their unit: a small model's peak in bytes can be under 1024, which a unitless number is not
-        return make_plan(self.prof, None if budget is None else f"{int(budget)}B", nested=self.nested)
+        with spent("planning"):
+            return make_plan(self.prof, None if budget is None else f"{int(budget)}B", nested=self.nested)
 
     def lowest(self) -> Plan:
         """The plan at the lowest peak any plan reaches (the nested floor while nesting)."""
-        return self.plan(make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes)
+        return self.plan(self.floor())
 
     def floor(self) -> int:
         """The lowest peak any plan is predicted to reach (nested ones while nesting)."""
-        return make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes
+        with spent("planning"):
+            return make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes
 
     def measure(self, plan: Plan) -> tuple[Plan, int | None]:
         """(the plan measured, its peak; None if it ran out of device memory): ``plan``, or its one-level twin

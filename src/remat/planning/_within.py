@@ -77,12 +77,16 @@ def profile_within(
     options: dict[str, Any],
     run: Run | None = None,
     counted: Callable[[Profile], Profile] | None = None,
+    fake_options: dict[str, Any] | None = None,
 ) -> Within:
     """The profile to plan ``budget`` on (NOTE [Within the budget]).
 
     ``options`` go to :func:`remat.profile`; ``run(options)`` makes a profile (default: ``remat.profile`` on
     ``model``); ``counted`` adds to a profile what it does not see (DDP's buckets) before it is compared with
     the budget. With ``budget`` None or ``fake`` in ``options``, the one profile asked for is made.
+    ``fake_options`` go to the fake profile only (auto traces ``full-fine`` there ahead of need). A budget of
+    the whole peak without checkpointing (a share of 1 or more) runs the real profile first: it fits, and
+    a fake profile is made only if it runs out of memory.
     """
     if run is None:
 
@@ -92,8 +96,20 @@ def profile_within(
     if budget is None or options.get("fake"):
         return Within(run(options))
     timed = {k: v for k, v in options.items() if k not in ("warmup", "repeat")}  # a fake step is not timed
+    fake_run = {**timed, **(fake_options or {}), "fake": True, "target": device_target(model, inputs)}
+    share = _share(budget)
+    if share is not None and share >= 1:
+        try:
+            return Within(run(options))
+        except torch.OutOfMemoryError as exc:  # NOTE [Out of memory is an answer]
+            reason = out_of_memory_reason(exc)
+        gc.collect()
+        empty_device_cache()
+        log.warning("%s: the real profile ran out of device memory (%s): planned on fake tensors.", api, reason)
+        fake = run(fake_run)
+        return Within(fake, RAN_OUT, parse_budget(budget, fake.baseline_peak_bytes))
     try:
-        fake = run({**timed, "fake": True, "target": device_target(model, inputs)})
+        fake = run(fake_run)
     except RematError as exc:
         log.info("%s: fake tensors cannot run this model (%s): profiled on real tensors.", api, exc)
         return Within(run(options))
@@ -115,6 +131,14 @@ def profile_within(
     empty_device_cache()
     log.warning("%s: the real profile ran out of device memory (%s): planned on fake tensors.", api, reason)
     return Within(fake, RAN_OUT, limit)
+
+
+def _share(budget: Any) -> float | None:
+    """The share of the peak without checkpointing a relative budget (``0.6``, ``"60%"``) asks for; None for
+    bytes."""
+    big = 1 << 50
+    share = parse_budget(budget, big)
+    return None if share == parse_budget(budget, 2 * big) else share / big
 
 
 def device_target(model: nn.Module, inputs: Any) -> str:

@@ -16,9 +16,11 @@ from torch import nn
 
 from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
+from remat.core._costs import costs, spent
 from remat.core._fine import FINE, inner_layers
 from remat.core._hf import disable_cache, restore_cache
 from remat.core._loop import Loop, make_loop
+from remat.core._policies import POLICIES
 from remat.core._user_errors import require_module
 from remat.core.measure import device_of
 from remat.errors import RematError
@@ -30,6 +32,7 @@ from remat.planning.plan import _ACCEPTED as ACCEPTED_BUDGETS
 from remat.planning.plan import Plan, parse_budget
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
+from remat.profiling._schedule import young_collections
 from remat.profiling.profile import profile as make_profile
 
 __all__ = ["apply", "auto", "device_target", "remove"]
@@ -122,6 +125,14 @@ def auto(
     model is profiled and verified eagerly (the module it wraps, which gets the plan); its
     next compiled call recompiles with the plan (NOTE [Under torch.compile]).
     """
+    # one full garbage collection, then the many before each step look only at what auto made
+    with costs("remat.auto"), young_collections():  # NOTE [Where the time goes]; [A garbage collection per traced step]
+        return _auto(model, inputs, budget, loss_fn, verify, compiled, profile_options)
+
+
+def _auto(
+    model: nn.Module, inputs: Any, budget: Any, loss_fn: Any, verify: bool, compiled: bool | str, profile_options: dict
+) -> Plan:
     model = eager_module(model)
     require_module(model, "remat.auto")
     room = _room_of_device(model, inputs) if budget is None else None
@@ -137,19 +148,23 @@ def auto(
     disable_cache(model)
     findings = Findings()
     verify = verify and not profile_options.get("fake")
+    fit = verify and backend is None
     try:
-        prof = _profile(model, inputs, loss_fn, budget, verify and backend is None, profile_options)
+        prof = _profile(model, inputs, loss_fn, budget, fit, profile_options, finer=fit)
+        coarse = _coarse(prof, profile_options)
         try:
-            chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings, capacity)
+            chosen = _plan_and_put(model, inputs, loss_fn, coarse, budget, backend, verify, loop, findings, capacity)
         except Unreachable:
-            if not _may_go_finer(model, prof, backend, profile_options):
+            if coarse is prof and not _may_go_finer(model, prof, backend, profile_options):
                 raise
             # NOTE [Finer only when needed]
-            finer = {**profile_options, "policies": (*prof.policies, FINE)}
-            prof = _profile(model, inputs, loss_fn, budget, verify and backend is None, finer)
+            how = "planned again with" if coarse is not prof else "profiled again with"
+            if coarse is prof:
+                finer = {**profile_options, "policies": (*prof.policies, FINE)}
+                prof = _profile(model, inputs, loss_fn, budget, fit, finer)
             chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings, capacity)
             note = (
-                f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: profiled again with "
+                f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: {how} "
                 f"{FINE} (each block's sub-layers checkpointed inside its recomputation)."
             )
             chosen = replace(chosen, notes=(*chosen.notes, note))
@@ -167,16 +182,34 @@ def auto(
 # profile would pay for the few budgets that need it. So auto profiles the default
 # policies first and, when no plan of theirs reaches the budget (eager execution, the
 # policies not chosen by the caller, blocks with sub-layers), profiles once more with
-# ``full-fine`` and plans again.
+# ``full-fine`` and plans again. The fake profile auto starts with (NOTE [Within the
+# budget]) traces ``full-fine`` from the start: one traced step more and no timed
+# rounds, where profiling again would trace every policy again; auto still plans on the
+# default policies first (``_coarse``), and a budget above the fake profile's peak
+# without checkpointing is profiled for real as before, without ``full-fine``.
 
 
-def _profile(model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool, options: dict) -> Any:
+def _coarse(prof: Any, profile_options: dict) -> Any:
+    """``prof`` without the ``full-fine`` policy it traced ahead of need (NOTE [Finer only when needed])."""
+    if FINE not in prof.policies or FINE in profile_options.get("policies", ()):
+        return prof
+    policies = tuple(p for p in prof.policies if p != FINE)
+    return replace(prof, policies=policies, segments={p: prof.segments[p] for p in policies})
+
+
+def _profile(
+    model: nn.Module, inputs: Any, loss_fn: Any, budget: Any, fit: bool, options: dict, *, finer: bool = False
+) -> Any:
     """The profile auto plans on: within the budget when real steps follow it (``fit``; NOTE [Within the budget]
     in remat.planning._within); compiled verification measures the compiled step without checkpointing first,
-    and is left as it was."""
+    and is left as it was. ``finer``: a fake profile traces ``full-fine`` too, when auto may go finer (NOTE
+    [Finer only when needed])."""
     if not fit:
         return make_profile(model, inputs, loss_fn, **options)
-    return profile_within(model, inputs, loss_fn, budget, api="remat.auto", options=options).profile
+    fake_options = {"policies": (*POLICIES, FINE)} if finer and _may_go_finer(model, None, None, options) else {}
+    return profile_within(
+        model, inputs, loss_fn, budget, api="remat.auto", options=options, fake_options=fake_options
+    ).profile
 
 
 def _plan_and_put(
@@ -194,7 +227,8 @@ def _plan_and_put(
     if verify:
         return verified_plan(model, inputs, loss_fn, prof, budget, backend, loop, findings, capacity=capacity)
     try:
-        chosen = make_plan(prof, budget)
+        with spent("planning"):
+            chosen = make_plan(prof, budget)
     except RematError as exc:
         if parse_budget(budget, prof.baseline_peak_bytes) < make_plan(prof, strategy="none").min_peak_bytes:
             raise Unreachable(str(exc)) from exc
@@ -215,10 +249,12 @@ def _room_of_device(model: nn.Module, inputs: Any) -> Room:
 
 
 def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:
-    if backend is not None or "policies" in profile_options or FINE in prof.policies:
+    """Whether ``full-fine`` may reach what the profile's policies do not (``prof`` None: before profiling)."""
+    if backend is not None or "policies" in profile_options or (prof is not None and FINE in prof.policies):
         return False
     modules = dict(model.named_modules())
-    return any(b.name in modules and inner_layers(modules[b.name]) for b in prof.blocks)  # traced: not here
+    names = find_blocks(model, profile_options.get("blocks")) if prof is None else [b.name for b in prof.blocks]
+    return any(n in modules and inner_layers(modules[n]) for n in names)  # traced blocks: not here
 
 
 def _compile_backend(compiled: bool | str, verify: bool, profile_options: dict) -> str | None:

@@ -35,6 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
 from remat.core._memtrack import storage_bytes
@@ -175,11 +176,13 @@ def _trace(
             switch.set(run_as)
             with mode, shadows, KernelLayouts():  # NOTE [Output layouts of the device's kernels]
                 if learn:
-                    learn_structure(model, fake_inputs, loss_fn)
+                    with spent("fake learning steps"):
+                        learn_structure(model, fake_inputs, loss_fn)
                 loop.steady(model, fake_inputs, loss_fn)
-                traced[policy], io, _, ledgers[policy] = traced_step(
-                    model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
-                )
+                with spent("fake traced steps"):
+                    traced[policy], io, _, ledgers[policy] = traced_step(
+                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
+                    )
             io_bytes = io_bytes or io
         kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
         return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers, kept

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from remat.core._by_module import learned_at_exit
+from remat.core._costs import spent
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
@@ -95,7 +96,8 @@ def traced_step(
     what the allocator held at the start (library workspaces included).
     """
     loop.start(model)
-    gc.collect()
+    with spent("garbage collections"):
+        gc.collect()
     device = device_of(model, inputs)
     allocator = CudaAllocator(device) if device.type == "cuda" else None
     tracker = StorageTracker(known=resting_tensors(model, inputs, loop))

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from remat.core._costs import spent
 from remat.core._step import LossFn, training_step
 
 log = logging.getLogger("remat")
@@ -30,7 +31,8 @@ def young_collections() -> Iterator[None]:
     makes the later ones walk only the objects made since, a thousandth of that. Left alone when the
     caller froze objects of its own, which unfreezing would release.
     """
-    gc.collect()
+    with spent("garbage collections"):
+        gc.collect()
     if gc.get_freeze_count() > 0:
         yield
         return
@@ -53,7 +55,8 @@ class Phases:
     def timing(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with spent(f"real {phase} steps"):  # NOTE [Where the time goes]
+                yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
             self.steps[phase] += 1

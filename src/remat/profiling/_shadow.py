@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from remat.core._memtrack import op_tensors
 from remat.core._region import _written_tensors
 from remat.core._rng import draws_random
 
@@ -69,7 +70,10 @@ class ValueShadows(TorchDispatchMode):
         self._twins[key] = (weakref.ref(fake, forget), real)
 
     def _real(self, value: Any) -> tuple[bool, Any]:
-        """(every tensor in ``value`` has a twin, ``value`` with the twins in place)."""
+        """(every tensor in ``value`` has a twin, ``value`` with the twins in place; None where some has none)."""
+        # most ops see a weight, which has no twin: known without rebuilding the arguments
+        if not all(self.twin(t) is not None for t in op_tensors(value)):  # NOTE [Op arguments without pytree]
+            return False, None
         ok = True
 
         def swap(t: Any) -> Any:
@@ -85,12 +89,13 @@ class ValueShadows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        ok, (real_args, real_kwargs) = self._real((args, kwargs))
+        ok, real = self._real((args, kwargs))
+        real_args, real_kwargs = real if ok else (args, kwargs)
         if func in _ANSWERED and ok:
             with _disable_current_modes():
                 return func(*real_args, **real_kwargs)
         out = func(*args, **kwargs)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = op_tensors(out)
         device = kwargs.get("device")
         shadow = (
             ok
@@ -103,8 +108,8 @@ class ValueShadows(TorchDispatchMode):
         if shadow:
             with _disable_current_modes():
                 real_out = func(*real_args, **real_kwargs)
-            for fake, real in zip(outs, [t for t in tree_flatten(real_out)[0] if isinstance(t, torch.Tensor)]):
-                self._keep(fake, real)
+            for fake, twin in zip(outs, op_tensors(real_out)):
+                self._keep(fake, twin)
         elif getattr(getattr(func, "_schema", None), "is_mutable", False):
             for t in _written_tensors(func, args, kwargs):
                 self._twins.pop(id(t), None)

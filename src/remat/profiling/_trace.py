@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
+from remat.core._memtrack import CudaAllocator, StorageTracker, op_tensors, storage_bytes, storages
 from remat.core._region import _written_tensors, in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core.checkpoint import SAVE_OPS
@@ -297,9 +297,7 @@ class SegmentRecorder:
         tracker, block = self.tracker, seg.block
         if tracker is None or block is None:
             raise RuntimeError("made storages are noted only for a block's forward, with a storage tracker")
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in op_tensors(out):
             for st in storages(t):
                 key = st._cdata
                 seen = key in self._made or key in self._crossing_of or key in self._casts

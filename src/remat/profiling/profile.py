@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from remat.core._costs import costs, spent
 from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
 from remat.core._state import restoring
@@ -120,7 +121,7 @@ def profile(
                 m.training = mode
 
     try:
-        with restoring("remat.profile", restore_modes):
+        with costs("remat.profile"), restoring("remat.profile", restore_modes):  # NOTE [Where the time goes]
             if training is not None:
                 model.train(training)
             with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
@@ -153,8 +154,12 @@ def _run(
         from remat.profiling.targets import Target, get_target
 
         spec = target if isinstance(target, Target) else get_target(target or "cpu")
-        return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec, loop=loop)
-    return run_profile(model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat, loop=loop)
+        with spent("fake profile"):
+            return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec, loop=loop)
+    with spent("real profile"):
+        return run_profile(
+            model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat, loop=loop
+        )
 
 
 # NOTE [A profile that runs out of memory says how much it needs]

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from remat.core._memtrack import op_tensors
 from remat.errors import RematError
 from remat.profiling._target_data import A100, H100, CudaTable
 
@@ -47,7 +47,7 @@ class Target:
         """Roofline time of one op; views move no data."""
         if getattr(func, "is_view", False):
             return 0.0
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        tensors = op_tensors((args, kwargs, out))  # NOTE [Op arguments without pytree]
         moved = sum(t.numel() * t.element_size() for t in tensors)
         dtype = str(tensors[-1].dtype).removeprefix("torch.") if tensors else "float32"
         rate = self.matmul_flops.get(dtype, self.matmul_flops["float32"])
