@@ -178,6 +178,7 @@ def test_full_fine_blocks_inside_a_nested_segment_are_exact():
 
 
 def test_auto_plans_full_fine_only_when_no_other_plan_reaches_the_budget(monkeypatch):
+    import remat.planning._within as within_module
     import remat.planning.apply as apply_module
 
     calls = []
@@ -188,6 +189,7 @@ def test_auto_plans_full_fine_only_when_no_other_plan_reaches_the_budget(monkeyp
         return profile(*args, **kwargs)
 
     monkeypatch.setattr(apply_module, "make_profile", counting)
+    monkeypatch.setattr(within_module, "make_profile", counting)
     zoo = _zoo("gpt2")
     fine = remat.profile(zoo.model, zoo.inputs, policies=POLICIES, repeat=1)
     coarse_floor = remat.plan(remat.profile(zoo.model, zoo.inputs, repeat=1), strategy="none").min_peak_bytes
