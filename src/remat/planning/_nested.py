@@ -94,13 +94,14 @@ from typing import Any
 
 import numpy as np
 
+from remat.core._policy_registry import FULL, SELECTIVES
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
 
 GRID = 256
 MAX_BLOCKS = 128
 #: Policies that run under torch's selective checkpoint inside a segment (NOTE [Selective caches inside a segment]).
-_SELECTIVE = ("selective", "selective-ops")
+_SELECTIVE = SELECTIVES
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,7 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
 def costs_of(profile: Profile) -> Costs | None:
     """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
     ch = chain_of(profile)
-    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
+    if ch is None or FULL not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
         return None
     chained = np.array([b not in profile.unchained for b in ch.blocks[:-1]] + [True])  # the last one feeds the head
     by_name = {b.name: b for b in profile.blocks}
@@ -396,7 +397,7 @@ def costs_of(profile: Profile) -> Costs | None:
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
     segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
-    return Costs(ch, out, fwd, ch.policies.index("full"), holds, inside, segmentable, chained)
+    return Costs(ch, out, fwd, ch.policies.index(FULL), holds, inside, segmentable, chained)
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:
@@ -411,7 +412,7 @@ def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tu
                 assignment[names[node.start]] = pols[node.policy]
             else:
                 segments.append((names[node.start], names[node.end - 1]))
-                assignment[names[node.end - 1]] = "full"
+                assignment[names[node.end - 1]] = FULL
                 visit(node.children)
 
     visit(nodes)
