@@ -6,10 +6,11 @@ name written as a string literal anywhere else in ``src/remat``, and checks that
 ``docs/policies.md`` is the one :func:`markdown_table` writes.
 
 NOTE [One word, one policy]
-"selective" once meant three things: by module on a module, op by op on a function or an op
-list, and under compile a third rule for random ops. A policy is named once, here, with each of
-those behaviours written beside it, so that code asking "is this selective?" and the docs telling
-the user what it does read the same definition.
+A policy is named and described only here, each of its behaviours beside its name: what it does
+on a module, on a function or an op list, and under compile. One name runs differently in those
+places ("selective" goes by module on a module, op by op on a function, and keeps random ops
+under compile), so code that asks "is this selective?" and the page that tells the user what it
+does must read the same definition, not copies that drift apart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ __all__ = [
     "Policy",
     "markdown_table",
     "policy",
-    "short_name",
     "with_table",
     "write_page",
 ]
@@ -138,12 +138,6 @@ def policy(name: str) -> Policy:
     if found is None:
         raise RematError(f"remat: unknown policy {name!r}; the policies are {', '.join(map(repr, NAMES))}.")
     return found
-
-
-def short_name(name: str) -> str:
-    """The column title of policy ``name`` in profile tables (the name itself when not a policy)."""
-    found = _BY_NAME.get(name)
-    return found.short if found is not None else name
 
 
 BEGIN = "<!-- remat.core._policy_registry writes from here -->"
