@@ -12,7 +12,6 @@ for a fast GPU step (Python overhead dominates). Run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 from typing import Any
 
 import _sections
@@ -20,7 +19,6 @@ import torch
 
 import remat
 from remat.bench._rounds import interleaved_rounds, ratio_to, timed_step
-from remat.core._by_module import op_level_selective
 from remat.zoo import build
 
 MODELS = {
@@ -57,21 +55,15 @@ SETUPS = ("keep", "full", "selective (op-level)", "selective (by module)")
 
 
 def _candidates(zoo: Any) -> dict[str, tuple[Any, Any]]:
-    """Per setup, (on, off) around a step: wrap every block, and for op-level hold the override."""
+    """Per setup, (on, off) around a step: wrap every block."""
     blocks = [dict(zoo.model.named_modules())[b] for b in zoo.blocks]
-    held: list[contextlib.ExitStack] = []
 
-    def wrapping(policy: str, op_level: bool = False) -> tuple[Any, Any]:
+    def wrapping(policy: str) -> tuple[Any, Any]:
         def on() -> None:
             for b in blocks:
                 remat.wrap(b, policy=policy)
-            stack = contextlib.ExitStack()
-            if op_level:
-                stack.enter_context(op_level_selective())
-            held.append(stack)
 
         def off() -> None:
-            held.pop().close()
             for b in blocks:
                 remat.unwrap(b)
 
@@ -80,7 +72,7 @@ def _candidates(zoo: Any) -> dict[str, tuple[Any, Any]]:
     return {
         "keep": wrapping("keep"),
         "full": wrapping("full"),
-        "selective (op-level)": wrapping("selective", op_level=True),
+        "selective (op-level)": wrapping("selective-ops"),
         "selective (by module)": wrapping("selective"),
     }
 

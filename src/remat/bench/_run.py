@@ -41,6 +41,7 @@ from remat.bench._rounds import Progress, interleaved_rounds, timed_step
 from remat.bench._rows import BenchRow, MaxBatchResult
 from remat.bench._setups import Setup, baselines, remat_plan, torch_compile
 from remat.core._memtrack import empty_device_cache
+from remat.core._policy_registry import FULL, KEEP, SELECTIVE
 from remat.core._state import capture, restoring
 from remat.core._step import training_step
 from remat.core.measure import measure_peak
@@ -342,12 +343,12 @@ def _predicted(zoo: ZooModel, blocks: list[str], strategy: str) -> tuple[Profile
         blocks=blocks,
         fake=True,
         target=device_target(zoo.model, zoo.inputs),
-        policies=("keep", "full") if strategy != "remat" else ("keep", "selective", "full"),
+        policies=(KEEP, FULL) if strategy != "remat" else (KEEP, SELECTIVE, FULL),
     )
     if strategy == "none":
         return prof, prof.baseline_peak_bytes
     if strategy == "every-block":
-        return prof, prof.predict_peak({b.name: "full" for b in prof.blocks})
+        return prof, prof.predict_peak({b.name: FULL for b in prof.blocks})
     return prof, remat.plan(prof, strategy="none").min_peak_bytes
 
 

@@ -22,6 +22,7 @@ from rich.text import Text
 import remat
 from remat.cli._model import Loaded, check_device, load_model, model_options
 from remat.cli._ui import Ui, warning_line
+from remat.core._policy_registry import FULL, KEEP, REGISTRY, SELECTIVE
 from remat.errors import RematError
 from remat.profiling._format import human_bytes
 
@@ -147,7 +148,7 @@ def _table(title: str, names: list[str], columns: tuple[str, ...]) -> Table:
 def profile_data(args: argparse.Namespace, prof: Any, loaded: Loaded) -> dict[str, Any]:
     """The profile as ``remat profile --json`` prints it: summary figures and one entry per block."""
     blocks = [
-        {**asdict(b), "peak_if_full_bytes": prof.predict_peak({b.name: "full"}) if "full" in prof.policies else None}
+        {**asdict(b), "peak_if_full_bytes": prof.predict_peak({b.name: FULL}) if FULL in prof.policies else None}
         for b in prof.blocks
     ]
     return {
@@ -178,8 +179,8 @@ def _profile_table(data: dict[str, Any]) -> Table:
     flop_unit, flop_scale = (
         ("GFLOP", 1e9) if max((b["fwd_flops"] for b in data["blocks"]), default=0) >= 1e9 else ("MFLOP", 1e6)
     )
-    shown = [k for k in data.get("policies", ("keep", "selective", "full")) if k != "keep"]
-    short = {"selective": "sel", "selective-ops": "sel-ops"}
+    shown = [k for k in data.get("policies", (KEEP, SELECTIVE, FULL)) if k != KEEP]
+    short = {p.name: p.short for p in REGISTRY}
     columns = (
         "in",
         "out",
@@ -198,7 +199,7 @@ def _profile_table(data: dict[str, Any]) -> Table:
     )
     base = data["baseline_peak_bytes"]
     for b in data["blocks"]:
-        saved = [human_bytes(b["saved_bytes"][k]) if k in b["saved_bytes"] else "-" for k in ("keep", *shown)]
+        saved = [human_bytes(b["saved_bytes"][k]) if k in b["saved_bytes"] else "-" for k in (KEEP, *shown)]
         extra = [_num(b["extra_time_s"][k] * scale) if k in b["extra_time_s"] else "-" for k in shown]
         full = b["peak_if_full_bytes"]
         table.add_row(

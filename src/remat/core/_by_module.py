@@ -58,22 +58,6 @@ from remat.core._rng import draws_random, fingerprint
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def op_level_selective() -> Iterator[None]:
-    """Within: "selective" runs op-level on every call (the H100 ground truth's selective
-    rows were measured so; they are compared with profiles made this way until re-measured on a GPU)."""
-    _local.op_level = getattr(_local, "op_level", 0) + 1
-    try:
-        yield
-    finally:
-        _local.op_level -= 1
-
-
-def by_module_allowed() -> bool:
-    """False inside :func:`op_level_selective`."""
-    return not getattr(_local, "op_level", 0)
-
-
 # NOTE [Learning kept until the step ends]
 # A block's first selective call runs op-level and learns its structure; its next call takes the fast
 # path. A block called twice in one step (weight sharing) thus runs op-level, then by module, in the

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from remat.core._policy_registry import FULL, FULL_FINE
 from remat.core.checkpoint import _CheckpointedForward, unwrap, wrap
 
 __all__ = ["FINE", "inner_layers", "unwrap_fine", "wrap_fine"]
 
 #: The policy name: ``full`` for the block, ``full`` for its container children inside it.
-FINE = "full-fine"
+FINE = FULL_FINE
 
 
 def inner_layers(module: nn.Module) -> list[nn.Module]:
@@ -39,9 +40,9 @@ def wrap_fine(module: nn.Module) -> None:
     """Checkpoint ``module`` and, inside it, each of its :func:`inner_layers` (all ``full``); a block without
     sub-layers is simply ``full``."""
     layers = inner_layers(module)
-    wrap(module, policy="full")
+    wrap(module, policy=FULL)
     for child in layers:
-        wrap(child, policy="full")
+        wrap(child, policy=FULL)
     # The block's checkpointed forward remembers which sub-layers it wrapped, so that undoing it leaves
     # sub-layers the user wrapped alone.
     forward = module.forward

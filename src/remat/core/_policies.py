@@ -10,14 +10,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from remat.core._policy_registry import FULL, KEEP, POLICIES, SELECTIVES
 from remat.core._rng import draws_random
 from remat.errors import RematError
 
 __all__ = ["POLICIES", "SAVE_OPS", "policy_function", "compiled_policy_function"]
-
-#: Policies a block can have: keep everything; selective (cheap submodules recomputed, NOTE in
-#: remat.core._by_module); selective-ops (op by op: leaner, a Python hook on every op); recompute everything.
-POLICIES = ("keep", "selective", "selective-ops", "full")
 
 _aten = torch.ops.aten
 #: Ops whose outputs the selective policy keeps: matmuls, convolutions, attention.
@@ -59,7 +56,7 @@ def _save_compute_intensive_and_random(ctx: Any, op: Any, *args: Any, **kwargs: 
 
 def compiled_policy_function(policy: Any) -> Callable[..., Any] | None:
     """The selective-checkpoint policy of ``policy`` under compile (NOTE [Random ops under compile's selective])."""
-    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
+    if isinstance(policy, str) and policy in SELECTIVES:
         return _save_compute_intensive_and_random
     return policy_function(policy)
 
@@ -78,9 +75,9 @@ def _save_listed(ops: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -
 
 def policy_function(policy: Any) -> Callable[..., Any] | None:
     """The selective-checkpoint policy function of ``policy``; None for full recompute (or keep)."""
-    if policy is None or (isinstance(policy, str) and policy in ("full", "keep")):
+    if policy is None or (isinstance(policy, str) and policy in (FULL, KEEP)):
         return None
-    if isinstance(policy, str) and policy in ("selective", "selective-ops"):
+    if isinstance(policy, str) and policy in SELECTIVES:
         return _save_compute_intensive
     if isinstance(policy, (list, tuple, set, frozenset)):
         ops = [_overload(op) for op in policy]
@@ -94,6 +91,6 @@ def policy_function(policy: Any) -> Callable[..., Any] | None:
     if callable(policy) and not isinstance(policy, str):
         return policy
     raise RematError(
-        f"remat.checkpoint: unknown policy {policy!r}; use 'full', 'selective', 'keep', a list of aten ops "
-        "to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
+        f"remat.checkpoint: unknown policy {policy!r}; use one of {', '.join(map(repr, POLICIES))}, a list of aten "
+        "ops to save, or a torch selective-checkpoint policy function (ctx, op, *args, **kwargs)."
     )

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from remat.core._policy_registry import KEEP
+
 
 class WallClock:
     """Host time: right where ops finish when they return (CPU)."""
@@ -79,14 +81,14 @@ def clock_for(device: torch.device) -> WallClock | CudaClock:
 
 def forward_slowdown(fwd_s: Mapping[str, float]) -> dict[str, float]:
     """Per policy: fractional extra forward time, from the summed block forward times per policy."""
-    base = fwd_s.get("keep", 0.0)
+    base = fwd_s.get(KEEP, 0.0)
     if base <= 0:
         return {p: 0.0 for p in fwd_s}
-    return {p: 0.0 if p == "keep" else max(0.0, t / base - 1.0) for p, t in fwd_s.items()}
+    return {p: 0.0 if p == KEEP else max(0.0, t / base - 1.0) for p, t in fwd_s.items()}
 
 
 def extra_time(policy: str, *, recompute_s: float, fwd_s: float, slowdown: float) -> float:
     """Extra step time of one block under ``policy``: its measured recompute plus its slower forward."""
-    if policy == "keep":
+    if policy == KEEP:
         return 0.0
     return recompute_s + slowdown * fwd_s

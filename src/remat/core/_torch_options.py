@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as tuc
 
+from remat.core._policy_registry import FULL, KEEP
 from remat.errors import CheckpointOptionError
 
 _DETERMINISM = ("default", "none")
@@ -115,7 +116,7 @@ def _from_context_fn(context_fn: Callable[[], Any], policy: Any) -> tuple[Any, C
         )
     forward, recompute = pair
     if isinstance(forward, tuc._CachingTorchDispatchMode) and isinstance(recompute, tuc._CachedTorchDispatchMode):
-        if policy not in (None, "full"):
+        if policy not in (None, FULL):
             raise CheckpointOptionError(
                 f"remat.checkpoint: both policy={policy!r} and a selective context_fn were given; they decide the "
                 "same thing. Pass one: policy=... (remat's) or context_fn=... (torch's)."
@@ -181,7 +182,7 @@ def _read_later_options(options: dict[str, Any], policy: Any) -> bool | None:
     if (
         respect
         and "respect_saved_tensors_hooks" not in TORCH_OPTIONS
-        and not (isinstance(policy, str) and policy in ("full", "keep"))
+        and not (isinstance(policy, str) and policy in (FULL, KEEP))
     ):
         raise CheckpointOptionError(
             f"remat.checkpoint: respect_saved_tensors_hooks=True with policy={policy!r} needs torch 2.14 or later "

@@ -35,10 +35,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from remat.core._by_module import StructureRecorder, by_module_allowed, remember_learned, run_by_module
+from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWritten, Stacked
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
+from remat.core._policy_registry import FULL, KEEP, SELECTIVE
 from remat.core._region import Region
 from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import (
@@ -176,9 +177,8 @@ def _run_checkpointed(
     if (
         owner is not None
         and isinstance(policy, str)
-        and policy == "selective"
+        and policy == SELECTIVE
         and options.contexts is None
-        and by_module_allowed()
         and not _inside_saved_tensor_hooks()
     ):
         structure, remember_structure = _learned_memo(fn, _STRUCTURES)  # NOTE in remat.core._by_module
@@ -274,7 +274,7 @@ def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception
 def checkpoint(
     fn: Callable | None = None,
     *args: Any,
-    policy: Any = "full",
+    policy: Any = FULL,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     context_fn: Callable[[], Any] | None = None,
@@ -364,7 +364,7 @@ def _checkpoint_call(
         raise RematError(f"remat.checkpoint: fn must be callable, got {type(fn).__name__}.")
     policy, options = read_torch_options(policy, **torch_options)
     policy_function(policy)  # validate before running anything
-    if policy == "keep" or not torch.is_grad_enabled():
+    if policy == KEEP or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
         eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs, options)
@@ -403,7 +403,7 @@ class _CheckpointedForward:
         return _checkpoint_call(self.inner, args, kwargs, self.policy, self.preserve_rng_state, _NO_TORCH_OPTIONS)
 
 
-def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = True) -> nn.Module:
+def wrap(module: nn.Module, *, policy: str = FULL, preserve_rng_state: bool = True) -> nn.Module:
     """Checkpoint ``module``'s forward in place (names and ``state_dict`` keys unchanged); returns it."""
     if not isinstance(module, nn.Module):
         raise RematError(f"remat.wrap: expected an nn.Module, got {type(module).__name__}.")
@@ -411,7 +411,7 @@ def wrap(module: nn.Module, *, policy: str = "full", preserve_rng_state: bool = 
         raise RematError(f"remat.wrap: policy must be one of {POLICIES}, got {policy!r}.")
     unwrap(module)
     quiet_torch_notice()
-    if policy != "keep":
+    if policy != KEEP:
         previous = module.__dict__.get("forward")
         module.forward = _CheckpointedForward(module, policy, preserve_rng_state, previous)
     return module

@@ -111,6 +111,7 @@ from typing import Any
 
 import numpy as np
 
+from remat.core._policy_registry import FULL, SELECTIVES
 from remat.planning._nested_walk import Costs, Node, extra_time, shared_storages, simulate
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
@@ -120,7 +121,7 @@ __all__ = ["Costs", "Node", "costs_of", "extra_time", "simulate", "solve_nested"
 GRID = 256
 MAX_BLOCKS = 128
 #: Policies that run under torch's selective checkpoint inside a segment (NOTE [Selective caches inside a segment]).
-_SELECTIVE = ("selective", "selective-ops")
+_SELECTIVE = SELECTIVES
 
 
 def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -297,7 +298,7 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
 def costs_of(profile: Profile) -> Costs | None:
     """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
     ch = chain_of(profile)
-    if ch is None or "full" not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
+    if ch is None or FULL not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
         return None
     chained = np.array([b not in profile.unchained for b in ch.blocks[:-1]] + [True])  # the last one feeds the head
     by_name = {b.name: b for b in profile.blocks}
@@ -320,7 +321,7 @@ def costs_of(profile: Profile) -> Costs | None:
         ch,
         out,
         fwd,
-        ch.policies.index("full"),
+        ch.policies.index(FULL),
         holds,
         inside,
         segmentable,
@@ -356,7 +357,7 @@ def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tu
                 assignment[names[node.start]] = pols[node.policy]
             else:
                 segments.append((names[node.start], names[node.end - 1]))
-                assignment[names[node.end - 1]] = "full"
+                assignment[names[node.end - 1]] = FULL
                 visit(node.children)
 
     visit(nodes)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from remat.core._policy_registry import KEEP
 from remat.planning._solve import Chain
 from remat.profiling._types import Key, Profile
 
@@ -181,7 +182,7 @@ def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict
         if node.end is not None:
             ends.update(dict.fromkeys(range(node.start, node.end), first[("bwd", node.start)]))
     policy = _policies(nodes)
-    keep = c.chain.policies.index("keep") if "keep" in c.chain.policies else None
+    keep = c.chain.policies.index(KEEP) if KEEP in c.chain.policies else None
 
     def position(place: Place | None) -> int:
         return _NEVER if place is None else first.get(place, -1)

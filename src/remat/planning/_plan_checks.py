@@ -16,10 +16,10 @@ from typing import Any
 
 from torch import nn
 
+from remat.core._policy_registry import NAMES
 from remat.errors import RematError
 from remat.profiling._blocks import check_block_modules, check_disjoint
 
-_POLICIES = ("keep", "selective", "selective-ops", "full", "full-fine")
 _INT, _FLOAT, _STR, _BOOL = "an integer", "a number", "a string", "true or false"
 #: field -> (what it must be, may it be null)
 _FIELDS = {
@@ -71,11 +71,11 @@ def check_plan_fields(data: dict[str, Any]) -> None:
     assignment = data["assignment"]
     if not isinstance(assignment, dict):
         raise _field_error("assignment", assignment, 'an object of block name -> policy, e.g. {"layers.0": "full"}')
-    bad = {b: p for b, p in assignment.items() if p not in _POLICIES}
+    bad = {b: p for b, p in assignment.items() if p not in NAMES}
     if bad:
         raise RematError(
-            f"remat.Plan.from_json: field 'assignment' has unknown policies {bad}; use keep, "
-            "selective, selective-ops, full or full-fine."
+            f"remat.Plan.from_json: field 'assignment' has unknown policies {bad}; use "
+            f"{', '.join(NAMES[:-1])} or {NAMES[-1]}."
         )
     _refuse_root(assignment, "remat.Plan.from_json: field 'assignment'")
     check_disjoint(list(assignment), api="remat.Plan.from_json: field 'assignment':")

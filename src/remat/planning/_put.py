@@ -8,6 +8,7 @@ from remat.core._compiled import eager_module
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._fine import FINE, unwrap_fine, wrap_fine
 from remat.core._hf import disable_cache, restore_cache
+from remat.core._policy_registry import KEEP
 from remat.core._segment import schedule_segments, unschedule
 from remat.core.checkpoint import unwrap, wrap
 from remat.planning._plan_checks import check_plan_fits
@@ -42,7 +43,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
             unwrap_fine(modules[name])
             if policy == FINE:
                 wrap_fine(modules[name])
-            elif policy != "keep":
+            elif policy != KEEP:
                 wrap(modules[name], policy=policy)
         schedule_segments(model, list(plan.assignment), plan.segments)
     except BaseException:

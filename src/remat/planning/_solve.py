@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from remat.core._policy_registry import KEEP
 from remat.profiling._types import Key, Profile, SegmentCost
 
 _GRID_STEPS = 2**15
@@ -116,8 +117,8 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
         post_delta[j], post_peak[j] = live, top
     live = top = 0
     for key in pre:
-        top = max(top, live + seg["keep"][key].excess)
-        live += seg["keep"][key].delta
+        top = max(top, live + seg[KEEP][key].excess)
+        live += seg[KEEP][key].delta
     net = (fwd_delta + bwd_delta).max(axis=1)
     after = np.concatenate([np.cumsum(net[::-1])[::-1][1:], [0]])
     by_name = {b.name: b for b in profile.blocks}
@@ -234,9 +235,9 @@ def relax(profile: Profile, assignment: dict[str, str], limit: int) -> dict[str,
     by_name = {b.name: b for b in profile.blocks}
     current = dict(assignment)
     for name in sorted(current, key=lambda n: -by_name[n].extra_time_s.get(current[n], 0.0)):
-        if current[name] == "keep":
+        if current[name] == KEEP:
             continue
-        trial = {**current, name: "keep"}
+        trial = {**current, name: KEEP}
         if profile.predict_peak(trial) <= limit and profile.predict_time(trial) <= profile.predict_time(current):
             current = trial
     return current

@@ -6,9 +6,10 @@ import random
 from collections.abc import Mapping
 from dataclasses import replace
 
+from remat.core._policy_registry import FULL, KEEP, SELECTIVE
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
-_POLICIES = ("keep", "selective", "full")
+_POLICIES = (KEEP, SELECTIVE, FULL)
 
 
 def synthetic_profile(n_blocks: int, *, seed: int = 0, resting: int = 10**8) -> Profile:
@@ -23,16 +24,16 @@ def synthetic_profile(n_blocks: int, *, seed: int = 0, resting: int = 10**8) -> 
     for p in _POLICIES:
         segments[p][("fwd", None, 0)] = SegmentCost(out_bytes, out_bytes, 0.001)
     for name in names:
-        saved = {"keep": rng.randint(8, 16) * 2**20, "selective": 0, "full": 0}
-        saved["selective"] = saved["keep"] // rng.randint(2, 4)
+        saved = {KEEP: rng.randint(8, 16) * 2**20, SELECTIVE: 0, FULL: 0}
+        saved[SELECTIVE] = saved[KEEP] // rng.randint(2, 4)
         grads = rng.randint(1, 4) * 2**20
         fwd_s = rng.uniform(0.01, 0.03)
-        extra = {"keep": 0.0, "selective": fwd_s * rng.uniform(0.2, 0.5), "full": fwd_s}
+        extra = {KEEP: 0.0, SELECTIVE: fwd_s * rng.uniform(0.2, 0.5), FULL: fwd_s}
         for p in _POLICIES:
             kept = saved[p] + out_bytes
             segments[p][("fwd", name, 0)] = SegmentCost(kept, kept + 2**20, fwd_s)
             # Backward: recomputation rebuilds what was not kept; everything is freed at the end.
-            segments[p][("bwd", name, 0)] = SegmentCost(grads - kept, saved["keep"] - saved[p] + 2**21, 2 * fwd_s)
+            segments[p][("bwd", name, 0)] = SegmentCost(grads - kept, saved[KEEP] - saved[p] + 2**21, 2 * fwd_s)
         fwd_order.append(("fwd", name, 0))
         blocks.append(
             BlockProfile(

@@ -49,6 +49,7 @@ from remat.core._costs import spent
 from remat.core._fingerprint import Fingerprint, fingerprint
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
 from remat.core._memtrack import empty_device_cache
+from remat.core._policy_registry import KEEP
 from remat.core._segment import NotAChain
 from remat.core._state import capture, restoring
 from remat.core._user_errors import model_errors
@@ -293,7 +294,7 @@ class _Candidates:
         with]), measured once; raises OutOfMemory if even it did not fit the device."""
         if self.findings.reference is not None:
             return self.findings.reference
-        keep = replace(plan, assignment={name: "keep" for name in plan.assignment}, segments=())
+        keep = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=())
         if self.limit is not None and self.prof.baseline_peak_bytes > self.limit:
             floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
             keep = make_plan(self.prof, f"{floor}B", nested=False)
@@ -354,7 +355,7 @@ def _compiled_profile(
         plan = replace(keep, assignment=dict(zip(names, policies, strict=True)))
         return _measured(model, inputs, loss_fn, plan, backend, loop).peak
 
-    baseline = measure(("keep",) * len(names))
+    baseline = measure((KEEP,) * len(names))
     if not is_chain(prof):
         return prof, baseline, "Not a chain of blocks: eager predictions scaled by the compiled peak."
     peaks = {a: measure(a) for a in design(prof.policies, len(names))}

@@ -9,6 +9,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
+from remat.core._policy_registry import FULL, FULL_FINE, KEEP, NAMES, SELECTIVE, SELECTIVE_OPS
 from remat.errors import RematError
 from remat.planning._nested_plan import nested_floor, plan_nested
 from remat.planning._plan_checks import check_plan_fields
@@ -92,22 +93,19 @@ class Plan:
     @property
     def checkpointed(self) -> dict[str, str]:
         """Only the blocks that are not kept."""
-        return {b: p for b, p in self.assignment.items() if p != "keep"}
+        return {b: p for b, p in self.assignment.items() if p != KEEP}
 
     def summary(self) -> str:
         """One paragraph a user can read."""
-        counts = {
-            p: sum(1 for v in self.assignment.values() if v == p)
-            for p in ("keep", "selective", "selective-ops", "full", "full-fine")
-        }
+        counts = {p: sum(1 for v in self.assignment.values() if v == p) for p in NAMES}
         budget = f" for a budget of {human_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
         saved = 1 - self.predicted_peak_bytes / self.baseline_peak_bytes if self.baseline_peak_bytes else 0.0
         text = (
-            f"{self.strategy} plan{budget} on {self.model}: {counts['full']} blocks full recompute, "
-            + (f"{n} full with their sub-layers checkpointed, " if (n := counts["full-fine"]) else "")
-            + f"{counts['selective']} selective, "
-            + (f"{counts['selective-ops']} selective op by op, " if counts["selective-ops"] else "")
-            + f"{counts['keep']} kept. Predicted peak "
+            f"{self.strategy} plan{budget} on {self.model}: {counts[FULL]} blocks full recompute, "
+            + (f"{n} full with their sub-layers checkpointed, " if (n := counts[FULL_FINE]) else "")
+            + f"{counts[SELECTIVE]} selective, "
+            + (f"{counts[SELECTIVE_OPS]} selective op by op, " if counts[SELECTIVE_OPS] else "")
+            + f"{counts[KEEP]} kept. Predicted peak "
             f"{human_bytes(self.predicted_peak_bytes)} ({saved:.0%} below {human_bytes(self.baseline_peak_bytes)} "
             f"without checkpointing) at +{self.predicted_overhead:.0%} step time."
         )
@@ -231,8 +229,8 @@ def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
     names = [b.name for b in profile.blocks]
     if strategy == "none":
         return {}
-    if strategy in ("all", "selective"):
-        policy = "full" if strategy == "all" else "selective"
+    if strategy in ("all", SELECTIVE):  # the strategy "selective": every block the policy
+        policy = FULL if strategy == "all" else SELECTIVE
         return {n: policy for n in names}
     if strategy.startswith("every:"):
         try:
@@ -240,19 +238,19 @@ def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
         except ValueError:
             k = 0
         if k >= 1:
-            return {n: "full" for i, n in enumerate(names) if i % k == 0}
+            return {n: FULL for i, n in enumerate(names) if i % k == 0}
     if strategy == "sqrt":
         # torch's checkpoint_sequential keeps only segment boundaries; per block, the
         # closest equivalent recomputes ceil(sqrt(n)) evenly spaced blocks fully.
         k = max(1, round(len(names) / math.ceil(math.sqrt(len(names)))))
-        return {n: "full" for i, n in enumerate(names) if i % k == 0}
+        return {n: FULL for i, n in enumerate(names) if i % k == 0}
     raise RematError(
         f"remat.plan: unknown strategy {strategy!r}; use 'optimal', 'none', 'all', 'selective', 'sqrt' or 'every:K'."
     )
 
 
 def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: int | None, minimum: int) -> Plan:
-    full = {b.name: assignment.get(b.name, "keep") for b in profile.blocks}
+    full = {b.name: assignment.get(b.name, KEEP) for b in profile.blocks}
     extra = profile.predict_time(full) - profile.step_time_s
     return Plan(
         assignment=full,
@@ -272,12 +270,12 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
 def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
     """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
     assignment: dict[str, str] = {}
-    order = ["keep", "selective", "selective-ops", "full", "full-fine"]
+    order = list(NAMES)
     while profile.predict_peak(assignment) > budget:
         current = profile.predict_peak(assignment)
         best = None
         for b in profile.blocks:
-            now = assignment.get(b.name, "keep")
+            now = assignment.get(b.name, KEEP)
             for p in order[order.index(now) + 1 :]:
                 if p not in profile.policies:
                     continue
@@ -305,9 +303,7 @@ def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
     names = [b.name for b in profile.blocks]
     candidates: list[dict[str, str]] = [{}]
-    candidates += [
-        {n: p for n in names} for p in ("selective", "selective-ops", "full", "full-fine") if p in profile.policies
-    ]
+    candidates += [{n: p for n in names} for p in NAMES if p != KEEP and p in profile.policies]
     if chain is not None:
         lowest = solve(chain, math.inf, minimise_peak=True)
         if lowest is None:
@@ -389,7 +385,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
             "that, or lower the batch size / sequence length"
             + (
                 ""
-                if "full-fine" in profile.policies
+                if FULL_FINE in profile.policies
                 else ", or profile with policies=(..., 'full-fine') (each "
                 "block's sub-layers checkpointed inside its recomputation: a lower floor; remat.auto does so itself)"
             )
@@ -424,7 +420,7 @@ def _nested(profile: Profile, limit: int, minimum: int) -> Plan | None:
     # run in another order than they are registered in
     order = dict.fromkeys([*(k[1] for k in profile.fwd_order if k[1] is not None), *(b.name for b in profile.blocks)])
     return Plan(
-        assignment={name: assignment.get(name, "keep") for name in order},
+        assignment={name: assignment.get(name, KEEP) for name in order},
         predicted_peak_bytes=peak,
         predicted_overhead=extra / profile.step_time_s if profile.step_time_s > 0 else 0.0,
         baseline_peak_bytes=profile.baseline_peak_bytes,

@@ -54,6 +54,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from remat.core._policy_registry import KEEP
+
 Key = tuple[str, "str | None", int]
 
 
@@ -104,15 +106,15 @@ def _free_position(c: Crossing, assignment: Mapping[str, str], position: Mapping
         return _NEVER if key is None else position.get(key, -1)
 
     def policy_of(block: str | None) -> str:
-        return "keep" if block is None else assignment.get(block, "keep")
+        return KEEP if block is None else assignment.get(block, KEEP)
 
     if c.producer is not None:
         latest = freed_in(policy_of(c.producer[1]))
     else:
         latest = min(freed_in(p) for p in c.freed)
     for _, block, occurrence in c.receivers:
-        if policy_of(block) == "keep":
-            latest = max(latest, freed_in("keep"))
+        if policy_of(block) == KEEP:
+            latest = max(latest, freed_in(KEEP))
         else:
             latest = max(latest, position.get(("bwd", block, occurrence), -1))
     return None if latest >= _NEVER or latest < 0 else latest
@@ -273,7 +275,7 @@ def corrections(
         entry[0] += added
         entry[1] = max(c.after[policy] for c in kept) + added
     for r in recomputes:
-        mine = assignment.get(r.block, "keep")
+        mine = assignment.get(r.block, KEEP)
         if r.swap and _swapped(r, mine, position, steps, out):
             i = position[_host(r)]
             if len(out.get(i, ())) > 3:  # NOTE [A swapped segment that keeps a crossing storage]

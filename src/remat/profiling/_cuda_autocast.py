@@ -156,14 +156,6 @@ _PROMOTE = (
 _KEY = "AutocastCPU"
 
 
-def autocast_on(device: str) -> bool:
-    """``torch.is_autocast_enabled(device)``, also on torch versions without the device argument."""
-    try:
-        return torch.is_autocast_enabled(device)
-    except TypeError:
-        return device == "cpu" and torch.is_autocast_cpu_enabled()
-
-
 def autocast_dtype(device: str) -> torch.dtype:
     """``torch.get_autocast_dtype(device)``, also on torch versions without it."""
     getter = getattr(torch, "get_autocast_dtype", None)

@@ -18,10 +18,11 @@ from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, optimizer_state
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, tensor_bytes
+from remat.core._policy_registry import FULL, KEEP, NAMES, SELECTIVE, SELECTIVE_OPS
 from remat.core._state import capture, restoring
 from remat.core._step import InputGrads, LossFn, trainable_parameters, training_step
 from remat.core._timing import clock_for, extra_time, forward_slowdown
-from remat.core.checkpoint import POLICIES, forget_structure, wrap
+from remat.core.checkpoint import forget_structure, wrap
 from remat.core.measure import device_of, resting_tensors
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, swap_excesses
@@ -51,7 +52,7 @@ class _Policies:
         for m in self.blocks:
             if policy == FINE:
                 wrap_fine(m)
-            elif policy != "keep":
+            elif policy != KEEP:
                 wrap(m, policy=policy)
 
     def restore(self) -> None:
@@ -132,7 +133,7 @@ def _timed_segments(
 
 def _check_same_structure(runs: dict[str, list[Segment]]) -> None:
     keys = {p: [s.key for s in segs] for p, segs in runs.items()}
-    reference = keys["keep"]
+    reference = keys[KEEP]
     for policy, k in keys.items():
         if sorted(k, key=repr) != sorted(reference, key=repr):
             raise RematError(
@@ -147,13 +148,13 @@ def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str,
     kept = sum(s.save_op_s for s in fwd_segments) / op_s if op_s > 0 else 0.0
     # Both selective policies recompute the same ops here: the host time per op that sets them apart
     # (NOTE in remat.core._by_module) is not modelled for a target.
-    return {"keep": 0.0, "selective": fwd_s * (1.0 - kept), "selective-ops": fwd_s * (1.0 - kept), "full": fwd_s}
+    return {KEEP: 0.0, SELECTIVE: fwd_s * (1.0 - kept), SELECTIVE_OPS: fwd_s * (1.0 - kept), FULL: fwd_s}
 
 
 def _fine_recompute_share(flops: dict[str, dict[Key, int]], bwd_keys: list[Key]) -> float:
     """Fake profiles: ``full-fine``'s recompute FLOPs over ``full``'s (its time: the block's forward times that)."""
-    extra = {p: sum(flops[p][k] - flops["keep"][k] for k in bwd_keys) for p in ("full", FINE) if p in flops}
-    return extra[FINE] / extra["full"] if extra.get("full", 0) > 0 else 2.0  # at most two forwards
+    extra = {p: sum(flops[p][k] - flops[KEEP][k] for k in bwd_keys) for p in (FULL, FINE) if p in flops}
+    return extra[FINE] / extra[FULL] if extra.get(FULL, 0) > 0 else 2.0  # at most two forwards
 
 
 def _block_profiles(
@@ -166,24 +167,24 @@ def _block_profiles(
 ) -> tuple[BlockProfile, ...]:
     """Per block; ``recompute`` holds measured recompute seconds (None on fake tensors)."""
     out = []
-    keep_segments = {s.key: s for s in traced["keep"]}
+    keep_segments = {s.key: s for s in traced[KEEP]}
     flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
     if recompute is not None:  # see NOTE [The time model] in remat.core._timing
-        block_fwd = [k for k in segments["keep"] if k[0] == "fwd" and k[1] is not None]
+        block_fwd = [k for k in segments[KEEP] if k[0] == "fwd" and k[1] is not None]
         slowdown = forward_slowdown(
             {p: sum(segments[p][k].seconds for k in block_fwd if k in segments[p]) for p in policies}
         )
     for name in names:
-        fwd_keys = [k for k in segments["keep"] if k[0] == "fwd" and k[1] == name]
+        fwd_keys = [k for k in segments[KEEP] if k[0] == "fwd" and k[1] == name]
         if not fwd_keys:
             continue  # never called in this step
-        bwd_keys = [k for k in segments["keep"] if k[0] == "bwd" and k[1] == name]
+        bwd_keys = [k for k in segments[KEEP] if k[0] == "bwd" and k[1] == name]
 
         def total(policy: str, keys: list[Key], attr: str) -> float:
             return sum(getattr(segments[policy][k], attr) for k in keys)
 
         inp, outp = io_bytes.get(name, (0, 0))
-        fwd_s = total("keep", fwd_keys, "seconds")
+        fwd_s = total(KEEP, fwd_keys, "seconds")
         if recompute is None:
             extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys])
             if FINE in policies:
@@ -200,9 +201,9 @@ def _block_profiles(
                 output_bytes=outp,
                 saved_bytes={p: int(total(p, fwd_keys, "delta")) - outp * len(fwd_keys) for p in policies},
                 fwd_time_s=fwd_s,
-                bwd_time_s=total("keep", bwd_keys, "seconds"),
+                bwd_time_s=total(KEEP, bwd_keys, "seconds"),
                 extra_time_s={p: extra[p] for p in policies},
-                fwd_flops=sum(flops["keep"][k] for k in fwd_keys),
+                fwd_flops=sum(flops[KEEP][k] for k in fwd_keys),
                 bwd_flops={p: sum(flops[p][k] for k in bwd_keys) for p in policies},
                 calls=len(fwd_keys),
                 writes_input=any(keep_segments[k].writes_input for k in fwd_keys),
@@ -272,13 +273,13 @@ def run_profile(
                     segs = _timed_segments(model, inputs, loss_fn, names, loop)
                 state.restore()
                 if i >= untimed:
-                    if policy == "keep":
+                    if policy == KEEP:
                         keep_steps.append(sum(s.seconds for s in segs))
                     for s in segs:
                         seconds[policy][s.key].append(s.seconds)
                         recompute[policy][s.key].append(s.recompute_s)
         phases.log(statistics.median(keep_steps))
-        extra = resting["keep"] - storage_bytes(resting_tensors(model, inputs, loop)) if cuda else 0
+        extra = resting[KEEP] - storage_bytes(resting_tensors(model, inputs, loop)) if cuda else 0
         return _assemble(
             model,
             inputs,
@@ -338,7 +339,7 @@ def _assemble(
         }
         for p in policies
     }
-    keep = traced["keep"]
+    keep = traced[KEEP]
     params = list(model.parameters())
     blocks = _block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute)
     writers = [b.name for b in blocks if b.writes_input]
@@ -367,7 +368,7 @@ def _assemble(
             {p: ledger[1] for p, ledger in (crossings or {}).items()},
             {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2},
         ),
-        unchained=_unchained((crossings or {}).get("keep"), [s.block for s in keep if s.phase == "fwd" and s.block]),
+        unchained=_unchained((crossings or {}).get(KEEP), [s.block for s in keep if s.phase == "fwd" and s.block]),
         fake=fake,
         target=target,
         notes=list(notes),
@@ -389,10 +390,10 @@ def _unchained(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
 
 def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:
     """One :class:`Crossing` per storage seen in every policy's run (matched by first sighting)."""
-    if "keep" not in per_policy:
+    if KEEP not in per_policy:
         return []
     out = []
-    for ident, record in per_policy["keep"].items():
+    for ident, record in per_policy[KEEP].items():
         if all(ident in runs for runs in per_policy.values()) and not _stays_home(ident, per_policy):
             out.append(
                 Crossing(
@@ -452,8 +453,8 @@ def _crowded(per_policy: dict[str, dict[tuple, dict]]) -> set:
 
 
 def validate_policies(policies: Sequence[str]) -> tuple[str, ...]:
-    policies = tuple(dict.fromkeys(["keep", *policies]))
-    known = (*POLICIES, FINE)
+    policies = tuple(dict.fromkeys([KEEP, *policies]))
+    known = NAMES
     bad = [p for p in policies if p not in known]
     if bad:
         raise RematError(f"remat.profile: unknown policies {bad}; choose from {list(known)}.")

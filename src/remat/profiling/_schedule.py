@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from remat.core._costs import spent
+from remat.core._policy_registry import SELECTIVE, SELECTIVE_OPS
 from remat.core._step import LossFn, training_step
 
 log = logging.getLogger("remat")
@@ -85,15 +86,15 @@ class Phases:
 def trace_schedule(policies: Sequence[str]) -> list[tuple[str, str, bool]]:
     """Per traced step, in order: (the policy it profiles, the policy its blocks run, whether one untraced
     step learns selective's structure before it)."""
-    both = "selective" in policies and "selective-ops" in policies
+    both = SELECTIVE in policies and SELECTIVE_OPS in policies
     out = []
     for policy in policies:
-        if both and policy == "selective-ops":
+        if both and policy == SELECTIVE_OPS:
             continue
-        if both and policy == "selective":
-            out += [("selective-ops", "selective", False), ("selective", "selective", False)]
+        if both and policy == SELECTIVE:
+            out += [(SELECTIVE_OPS, SELECTIVE, False), (SELECTIVE, SELECTIVE, False)]
         else:
-            out.append((policy, policy, policy == "selective"))
+            out.append((policy, policy, policy == SELECTIVE))
     return out
 
 

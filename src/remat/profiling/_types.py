@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from remat.core._loop import describe_loop
+from remat.core._policy_registry import FULL, KEEP, REGISTRY
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, corrections
 from remat.profiling._format import human_bytes, load_versioned, render
@@ -159,10 +160,10 @@ class Profile:
         steps, previous = [], None
         for key in self.fwd_order:
             previous = key[1] or previous
-            steps.append((key, assignment.get(previous, "keep") if previous else "keep"))
+            steps.append((key, assignment.get(previous, KEEP) if previous else KEEP))
         for key in self.bwd_order:
             owner = key[1] or previous
-            steps.append((key, assignment.get(owner, "keep") if owner else "keep"))
+            steps.append((key, assignment.get(owner, KEEP) if owner else KEEP))
         return steps
 
     def timeline(self, assignment: Mapping[str, str] | Any | None = None) -> list[tuple[Key, int, int]]:
@@ -256,8 +257,8 @@ class Profile:
 
 
 def profile_table(p: Profile) -> str:
-    shown = [k for k in p.policies if k != "keep"]
-    short = {"selective": "sel", "selective-ops": "sel-ops"}
+    shown = [k for k in p.policies if k != KEEP]
+    short = {q.name: q.short for q in REGISTRY}
     header = [
         "block",
         "in",
@@ -273,13 +274,13 @@ def profile_table(p: Profile) -> str:
     base = p.baseline_peak_bytes
     rows = []
     for b in p.blocks:
-        alone = p.predict_peak({b.name: "full"}) if "full" in p.policies else base
+        alone = p.predict_peak({b.name: FULL}) if FULL in p.policies else base
         rows.append(
             [
                 b.name,
                 human_bytes(b.input_bytes),
                 human_bytes(b.output_bytes),
-                *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in ("keep", *shown)),
+                *(human_bytes(b.saved_bytes.get(k, 0)) if k in b.saved_bytes else "-" for k in (KEEP, *shown)),
                 f"{b.fwd_time_s * 1e3:.1f}",
                 f"{b.bwd_time_s * 1e3:.1f}",
                 *(f"{b.extra_time_s[k] * 1e3:.1f}" if k in b.extra_time_s else "-" for k in shown),

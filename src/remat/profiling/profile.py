@@ -12,6 +12,7 @@ from typing import Any
 from remat.core._costs import costs, spent
 from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
+from remat.core._policy_registry import FULL, KEEP, POLICIES
 from remat.core._state import restoring
 from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import OutOfMemory, RematError
@@ -26,7 +27,7 @@ def profile(
     loss_fn: Any = None,
     *,
     blocks: str | list[str] | None = None,
-    policies: tuple[str, ...] = ("keep", "selective", "selective-ops", "full"),
+    policies: tuple[str, ...] = POLICIES,
     warmup: int = 1,
     repeat: int = 3,
     fake: bool = False,
@@ -191,7 +192,7 @@ def _told_out_of_memory(
             inputs,
             loss_fn,
             blocks=names,
-            policies=("keep", "full"),
+            policies=(KEEP, FULL),
             fake=True,
             target=target,
             training=training,
@@ -203,7 +204,7 @@ def _told_out_of_memory(
     if fake is None:
         numbers = ""
     else:
-        full = fake.predict_peak({b.name: "full" for b in fake.blocks})
+        full = fake.predict_peak({b.name: FULL for b in fake.blocks})
         numbers = (
             f" On fake tensors (nothing allocated) its step without checkpointing is predicted at "
             f"{fake.baseline_peak_bytes} bytes and with every block recomputed at {full} bytes."
