@@ -39,6 +39,9 @@ TINY = {
 }
 #: keep, selective and full in one model: every policy's compiled form at once.
 MIXED = ("selective", "full", "keep")
+#: From torch 2.14, inductor draws other dropout masks where only part of a model is checkpointed (torch's
+#: own checkpoint too) than without checkpointing (docs/compile.md).
+INDUCTOR_MASKS_MOVE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
 
 
 @pytest.fixture(autouse=True)
@@ -256,6 +259,12 @@ def test_autocast_and_keyword_arguments_under_compile():
     assert not torch.equal(outs[0], twin(ref)(x).detach())  # the blocks did run in bfloat16
 
 
+@pytest.mark.xfail(
+    INDUCTOR_MASKS_MOVE,
+    strict=True,
+    reason="torch 2.14's inductor draws other dropout masks when part of the model (here the last dropout) "
+    "is not checkpointed, torch's own checkpoint too (test_inductor_with_dropout_and_one_block_of_two_checkpointed)",
+)
 def test_inductor_gradients_equal_compiled_reference_with_dropout():
     # The default backend: inductor generates its own kernels and its own random numbers
     # for dropout outside checkpointed blocks; recomputed ones replay eager RNG states.
@@ -272,11 +281,6 @@ def test_inductor_gradients_equal_compiled_reference_with_dropout():
         outs.append(out.detach())
     assert torch.equal(*outs)
     assert_grads_equal(ref, model)
-
-
-#: NOTE in docs/compile.md: from torch 2.14, inductor draws other dropout masks in a model where only some
-#: blocks are checkpointed (torch's own checkpoint too) than in the model without checkpointing.
-INDUCTOR_MASKS_MOVE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
 
 
 class TorchCheckpointed(nn.Module):
