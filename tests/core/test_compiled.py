@@ -39,6 +39,9 @@ TINY = {
 }
 #: keep, selective and full in one model: every policy's compiled form at once.
 MIXED = ("selective", "full", "keep")
+#: From torch 2.14, inductor draws other dropout masks where only part of a model is checkpointed (torch's
+#: own checkpoint too) than without checkpointing (docs/compile.md).
+INDUCTOR_MASKS_MOVE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
 
 
 @pytest.fixture(autouse=True)
@@ -256,6 +259,12 @@ def test_autocast_and_keyword_arguments_under_compile():
     assert not torch.equal(outs[0], twin(ref)(x).detach())  # the blocks did run in bfloat16
 
 
+@pytest.mark.xfail(
+    INDUCTOR_MASKS_MOVE,
+    strict=True,
+    reason="torch 2.14's inductor draws other dropout masks when part of the model (here the last dropout) "
+    "is not checkpointed, torch's own checkpoint too (test_inductor_with_dropout_and_one_block_of_two_checkpointed)",
+)
 def test_inductor_gradients_equal_compiled_reference_with_dropout():
     # The default backend: inductor generates its own kernels and its own random numbers
     # for dropout outside checkpointed blocks; recomputed ones replay eager RNG states.
@@ -272,6 +281,34 @@ def test_inductor_gradients_equal_compiled_reference_with_dropout():
         outs.append(out.detach())
     assert torch.equal(*outs)
     assert_grads_equal(ref, model)
+
+
+class TorchCheckpointed(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False, **kwargs)
+
+
+def test_inductor_with_dropout_and_one_block_of_two_checkpointed():
+    ref = Stack(n=2, width=8, p=0.3)
+    by_torch, by_remat = twin(ref), twin(ref)
+    by_torch.blocks[0] = TorchCheckpointed(by_torch.blocks[0])
+    remat.wrap(by_remat.blocks[0], policy="full")
+    x = torch.randn(4, 8)
+    outs = []
+    for net in (by_remat, by_torch, ref):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        out = torch.compile(net, fullgraph=True)(x)
+        out.sum().backward()
+        outs.append(out.detach())
+    grads = [[p.grad for p in net.parameters()] for net in (by_remat, by_torch, ref)]
+    assert torch.equal(outs[0], outs[1]) and all(map(torch.equal, grads[0], grads[1]))  # on every torch
+    if not INDUCTOR_MASKS_MOVE:
+        assert torch.equal(outs[0], outs[2]) and all(map(torch.equal, grads[0], grads[2]))
 
 
 class InPlace(nn.Module):
