@@ -143,7 +143,7 @@ def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan)  # every plan but the lowest-peak one measures over the budget
-        return (floor if plan.predicted_peak_bytes == floor else budget + 1), None
+        return verify_module.Step(floor if plan.predicted_peak_bytes == floor else budget + 1)
 
     monkeypatch.setattr(verify_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
@@ -191,8 +191,8 @@ def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch, caplog
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.segments)  # plans above the one-level floor measure 1 MiB over: only the lowest is left
-        peak, summary = real(model, inputs, loss_fn, plan, backend, loop)
-        return peak + (2**20 if plan.predicted_peak_bytes > one_level else 0), summary
+        step = real(model, inputs, loss_fn, plan, backend, loop)
+        return replace(step, peak=step.peak + (2**20 if plan.predicted_peak_bytes > one_level else 0))
 
     monkeypatch.setattr(verify_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
@@ -743,3 +743,47 @@ def test_a_hand_made_segment_over_a_block_writing_its_input_is_predicted_safe():
     activation = 4 * 64 * 8 * 4
     for predicted, measured in _hand_made(model, x, prof, shapes):
         assert measured <= predicted <= measured + 3 * activation
+
+
+class _SkipOverTwo(nn.Module):
+    """Blocks in a ModuleList, the last one also given the output two blocks back (a skip): a segment over
+    layers.0..layers.1 would hand the skip its own output in place of layers.0's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Residual(16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x]
+        for k, layer in enumerate(self.layers):
+            outs.append(layer(outs[-1] + outs[-2] if k == 2 else outs[-1]))
+        return outs[-1].square().mean()
+
+
+def test_a_hand_made_segment_over_a_block_whose_output_the_parent_reads_is_refused():
+    torch.manual_seed(0)
+    model, x = _SkipOverTwo(), torch.randn(4, 16)
+    prof = remat.profile(model, x, loss_fn=lambda out: out, repeat=1, warmup=0)
+    assert "layers.0" in prof.unchained and "layers.1" in prof.unchained
+    assert not remat.plan(prof, strategy="none").segments  # the planner never makes one
+    none = remat.plan(prof, strategy="none")
+    plan = replace(none, assignment={"layers.0": "full", "layers.1": "full", "layers.2": "keep"})
+    assert plan.unchained == prof.unchained and remat.Plan.from_json(plan.to_json()) == plan
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(remat.RematError, match=r"layers\.0.*nested=False") as refused:
+        remat.apply(model, replace(plan, segments=(("layers.0", "layers.1"),)))
+    assert "read outside the next block" in str(refused.value)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # left as it was
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    ref_loss, ref_grads = model(x), None
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    remat.apply(model, plan)  # the same blocks one level deep: exact
+    try:
+        loss = model(x)
+        loss.backward()
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+    finally:
+        remat.remove(model)
