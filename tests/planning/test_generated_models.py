@@ -70,7 +70,8 @@ KNOWN = {
     10: "NEW (10): a nested segment over blocks called with different arguments runs them with the first "
     "block's: the user's block raises (TypeError) instead of remat's refusal",
     11: "NEW (11): a nested segment over a block whose output is a view (BatchNorm between transposes) the "
-    "parent keeps in a list: predicted low",
+    "parent keeps in a list: predicted low (the walk freed the output, which the next block copies rather than "
+    "saves, in the segment and again where the keep run's list let go of it)",
     12: "NEW (12): a nested segment over blocks adding in a tensor shared by all blocks: predicted one shared "
     "tensor low",
     13: "NEW (13): a full block adding in a shared tensor and returning an aux loss of an inner activation, "
@@ -85,10 +86,10 @@ KNOWN = {
     17: "NEW (17): a hand-made nested segment over a block whose output the parent also reads elsewhere (a skip "
     "two blocks later) runs, handing the skip the segment's output: wrong loss and gradients",
 }
-#: Fixed: every bug but (11). Hand-built plans with selective blocks (6) or input writers (14) inside a segment
+#: Fixed: every one. Hand-built plans with selective blocks (6) or input writers (14) inside a segment
 #: are predicted on the safe side (the planner keeps both out of segments); one over a block whose output the
 #: parent reads elsewhere (17) is refused by remat.apply.
-OPEN = set(KNOWN) - {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17}
+OPEN = set(KNOWN) - set(range(1, 18))
 TOLERANCE = 0.005
 FAST_EXAMPLES = 20
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))

@@ -15,7 +15,7 @@ from torch import nn
 import remat
 from remat.planning import _verify as verify_module
 from remat.planning import apply as apply_module
-from remat.planning._nested import Costs, Node, extra_time, simulate, solve_nested
+from remat.planning._nested import Costs, Node, costs_of, extra_time, simulate, solve_nested, to_plan
 from remat.planning._nested_plan import lowest_nested
 from remat.planning._solve import Chain
 from remat.planning._synthetic import fixed_times
@@ -787,3 +787,61 @@ def test_a_hand_made_segment_over_a_block_whose_output_the_parent_reads_is_refus
         assert all(torch.equal(p.grad, ref_grads[n]) for n, p in model.named_parameters())
     finally:
         remat.remove(model)
+
+
+class _ViewBlock(_Residual):
+    """A residual block ending in a BatchNorm between transposes: its output is a transposed view, of which the
+    next block's Linear saves a contiguous copy rather than the output itself."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__(d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(super().forward(x).transpose(1, 2)).transpose(1, 2)
+
+
+class _KeepsAll(nn.Module):
+    """The parent keeps every block's output in a list (as for skips it may take) until its forward returns."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 8), nn.Linear(8, 10)
+        self.blocks = nn.ModuleList(_ViewBlock() if k == first else _Residual() for k in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self.embed(x)]
+        for block in self.blocks:
+            outs.append(block(outs[-1]))
+        return self.head(outs[-1]).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize(("view", "segment"), [(0, (0, 3)), (1, (0, 3)), (0, (1, 2))])
+def test_a_segment_over_or_after_a_view_output_the_parent_keeps_is_predicted_safe(view, segment):
+    torch.manual_seed(0)
+    model, x = _KeepsAll(view), torch.randn(4, 64, 8)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    c = costs_of(prof)
+    full, keep = c.chain.policies.index("full"), c.chain.policies.index("keep")
+    lo, hi = segment[0], segment[0] + segment[1]
+    nodes = (
+        *(Node(k, full) for k in range(lo)),
+        Node(lo, end=hi, children=tuple(Node(k, full) for k in range(lo, hi - 1))),
+        *(Node(k, keep) for k in range(hi, 4)),
+    )
+    assignment, segments = to_plan(c, nodes)
+    plan = replace(
+        remat.plan(prof, strategy="none"),
+        assignment={n: assignment[n] for n in c.chain.blocks},
+        segments=segments,
+        predicted_peak_bytes=simulate(c, nodes),
+    )
+    ref = _grads(model, x)
+    remat.apply(model, plan)
+    try:
+        measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+        assert measured <= plan.predicted_peak_bytes * 1.005, (measured, plan.predicted_peak_bytes)
+        grads = _grads(model, x)
+    finally:
+        remat.remove(model)
+    assert all(torch.equal(grads[n], ref[n]) for n in ref)
