@@ -15,7 +15,7 @@ from torch import nn
 import remat
 from remat.planning import _verify as verify_module
 from remat.planning import apply as apply_module
-from remat.planning._nested import Costs, Node, extra_time, simulate, solve_nested
+from remat.planning._nested import Costs, Node, costs_of, extra_time, simulate, solve_nested, to_plan
 from remat.planning._nested_plan import lowest_nested
 from remat.planning._solve import Chain
 from remat.planning._synthetic import fixed_times
@@ -143,7 +143,7 @@ def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan)  # every plan but the lowest-peak one measures over the budget
-        return (floor if plan.predicted_peak_bytes == floor else budget + 1), None
+        return verify_module.Step(floor if plan.predicted_peak_bytes == floor else budget + 1)
 
     monkeypatch.setattr(verify_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
@@ -191,8 +191,8 @@ def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch, caplog
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.segments)  # plans above the one-level floor measure 1 MiB over: only the lowest is left
-        peak, summary = real(model, inputs, loss_fn, plan, backend, loop)
-        return peak + (2**20 if plan.predicted_peak_bytes > one_level else 0), summary
+        step = real(model, inputs, loss_fn, plan, backend, loop)
+        return replace(step, peak=step.peak + (2**20 if plan.predicted_peak_bytes > one_level else 0))
 
     monkeypatch.setattr(verify_module, "_measured", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
@@ -743,3 +743,105 @@ def test_a_hand_made_segment_over_a_block_writing_its_input_is_predicted_safe():
     activation = 4 * 64 * 8 * 4
     for predicted, measured in _hand_made(model, x, prof, shapes):
         assert measured <= predicted <= measured + 3 * activation
+
+
+class _SkipOverTwo(nn.Module):
+    """Blocks in a ModuleList, the last one also given the output two blocks back (a skip): a segment over
+    layers.0..layers.1 would hand the skip its own output in place of layers.0's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Residual(16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x]
+        for k, layer in enumerate(self.layers):
+            outs.append(layer(outs[-1] + outs[-2] if k == 2 else outs[-1]))
+        return outs[-1].square().mean()
+
+
+def test_a_hand_made_segment_over_a_block_whose_output_the_parent_reads_is_refused():
+    torch.manual_seed(0)
+    model, x = _SkipOverTwo(), torch.randn(4, 16)
+    prof = remat.profile(model, x, loss_fn=lambda out: out, repeat=1, warmup=0)
+    assert "layers.0" in prof.unchained and "layers.1" in prof.unchained
+    assert not remat.plan(prof, strategy="none").segments  # the planner never makes one
+    none = remat.plan(prof, strategy="none")
+    plan = replace(none, assignment={"layers.0": "full", "layers.1": "full", "layers.2": "keep"})
+    assert plan.unchained == prof.unchained and remat.Plan.from_json(plan.to_json()) == plan
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(remat.RematError, match=r"layers\.0.*nested=False") as refused:
+        remat.apply(model, replace(plan, segments=(("layers.0", "layers.1"),)))
+    assert "read outside the next block" in str(refused.value)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # left as it was
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    ref_loss, ref_grads = model(x), None
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    remat.apply(model, plan)  # the same blocks one level deep: exact
+    try:
+        loss = model(x)
+        loss.backward()
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+    finally:
+        remat.remove(model)
+
+
+class _ViewBlock(_Residual):
+    """A residual block ending in a BatchNorm between transposes: its output is a transposed view, of which the
+    next block's Linear saves a contiguous copy rather than the output itself."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__(d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(super().forward(x).transpose(1, 2)).transpose(1, 2)
+
+
+class _KeepsAll(nn.Module):
+    """The parent keeps every block's output in a list (as for skips it may take) until its forward returns."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 8), nn.Linear(8, 10)
+        self.blocks = nn.ModuleList(_ViewBlock() if k == first else _Residual() for k in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self.embed(x)]
+        for block in self.blocks:
+            outs.append(block(outs[-1]))
+        return self.head(outs[-1]).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize(("view", "segment"), [(0, (0, 3)), (1, (0, 3)), (0, (1, 2))])
+def test_a_segment_over_or_after_a_view_output_the_parent_keeps_is_predicted_safe(view, segment):
+    torch.manual_seed(0)
+    model, x = _KeepsAll(view), torch.randn(4, 64, 8)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    c = costs_of(prof)
+    full, keep = c.chain.policies.index("full"), c.chain.policies.index("keep")
+    lo, hi = segment[0], segment[0] + segment[1]
+    nodes = (
+        *(Node(k, full) for k in range(lo)),
+        Node(lo, end=hi, children=tuple(Node(k, full) for k in range(lo, hi - 1))),
+        *(Node(k, keep) for k in range(hi, 4)),
+    )
+    assignment, segments = to_plan(c, nodes)
+    plan = replace(
+        remat.plan(prof, strategy="none"),
+        assignment={n: assignment[n] for n in c.chain.blocks},
+        segments=segments,
+        predicted_peak_bytes=simulate(c, nodes),
+    )
+    ref = _grads(model, x)
+    remat.apply(model, plan)
+    try:
+        measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+        assert measured <= plan.predicted_peak_bytes * 1.005, (measured, plan.predicted_peak_bytes)
+        grads = _grads(model, x)
+    finally:
+        remat.remove(model)
+    assert all(torch.equal(grads[n], ref[n]) for n in ref)

@@ -22,6 +22,15 @@ the planner keeps blocks that receive different tensors out of one segment
 Forward hooks of those blocks see the segment's output; their submodules' hooks run
 as usual.
 
+NOTE [Reads the segment cannot see]
+The checks above see only the calls of the segment's blocks. A parent that also reads a
+block's output elsewhere (a skip added two blocks later, ``hidden.append(x)`` summed
+into a loss) reads, from the segment, the segment's output in its place: a wrong loss
+and wrong gradients, and nothing at run time sees a read. The profile's run without
+checkpointing does (``Profile.unchained``); plans carry it (``Plan.unchained``), and
+``schedule_segments`` refuses a segment holding such a block before it installs
+anything, a hand-made segment as much as one the planner (which avoids them) made.
+
 NOTE [Tuple hand-offs]
 Hugging Face blocks of transformers 4.x return a tuple whose first element is the
 hidden state, the rest ``None`` unless attentions or caches were asked for; the
@@ -237,8 +246,12 @@ def _items(
     return items
 
 
-def schedule_segments(model: nn.Module, order: Sequence[str], segments: Sequence[tuple[str, str]]) -> None:
-    """Run each (first block, last block) range of ``segments`` (blocks in chain ``order``) as one region."""
+def schedule_segments(
+    model: nn.Module, order: Sequence[str], segments: Sequence[tuple[str, str]], unchained: Sequence[str] = ()
+) -> None:
+    """Run each (first block, last block) range of ``segments`` (blocks in chain ``order``) as one region;
+    ``unchained``: blocks whose output the profiled forward read outside the next block (NOTE [Reads the
+    segment cannot see])."""
     if not segments:
         return
     index = {n: i for i, n in enumerate(order)}
@@ -252,6 +265,7 @@ def schedule_segments(model: nn.Module, order: Sequence[str], segments: Sequence
                 f"remat.apply: nested segments must be ranges of two or more blocks that nest or do "
                 f"not overlap; got {list(segments)}."
             )
+    _refuse_unchained(order, spans, set(unchained))
     named = dict(model.named_modules())
     modules = [named[n] for n in order]
     outer = [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
@@ -264,6 +278,19 @@ def schedule_segments(model: nn.Module, order: Sequence[str], segments: Sequence
         module.forward = head
         for skipped, skip in skips:
             skipped.forward = skip
+
+
+def _refuse_unchained(order: Sequence[str], spans: list[tuple[int, int]], unchained: set[str]) -> None:
+    for a, b in spans:
+        read = [n for n in order[a : b + 1] if n in unchained]
+        if read:
+            raise NotAChain(
+                f"remat.apply: the nested segment {order[a]}..{order[b]} holds {read}, whose output the profiled "
+                "forward read outside the next block (a skip connection, a list of hidden states, a write in "
+                "place); a segment hands the parent its own output for each of its blocks, so those reads "
+                "would get wrong values (NOTE [Reads the segment cannot see]). Plan with remat.plan(profile, "
+                "budget, nested=False) for this model, or leave those blocks out of the plan's segments."
+            )
 
 
 def unschedule(module: nn.Module) -> None:

@@ -329,6 +329,7 @@ def costs_of(profile: Profile) -> Costs | None:
         shared,
         writes[:-1],
         _same_args(profile, ch),
+        shared_storages(profile, ch, outputs=True),
     )
 
 

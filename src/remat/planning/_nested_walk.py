@@ -17,6 +17,19 @@ elsewhere (the tensor stays live from there, the step's peak after the free rais
 its size, exactly as the profile recorded it) and frees it at the end of the step where
 the plan does (live through the whole of that step: safe, by at most its size there).
 A recomputation never frees it: its run's free is undone there too.
+
+NOTE [Outputs the parent keeps that nothing saves]
+A parent that keeps every block's output in a list (for skips it may take) holds each
+until its forward returns; where no block saves the output itself (the next block's
+Linear saves a contiguous copy of a transposed view), the keep run frees it in the glue
+after the last block, a step the walk takes from that block's run. A segment lets go
+of its blocks' outputs but the last in its own forward (the parent gets the segment's
+output in their place), so taken unchanged that step freed them a second time
+(a segment over a block whose output is a view: predicted one output low); and it
+holds its input, the previous block's output, until its backward, so that step freed
+one the plan still holds. The walk undoes such a step's free, the step's peak after
+the free raised by the output's size; the segment input's free is left to the first
+block's backward in its run (never freed by the walk where that run keeps it: safe).
 """
 
 from __future__ import annotations
@@ -83,6 +96,8 @@ class Costs:
     same_args: np.ndarray | None = None
     """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
     segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
+    outputs: tuple[Shared, ...] = field(default=())
+    """The blocks' outputs, each run's free placed in the walk; ``receivers``: the block that made it."""
 
 
 @dataclass(frozen=True)
@@ -272,11 +287,33 @@ def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> di
     return out
 
 
+def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+    """Outputs a segment let go of in its forward that a later step's run frees (NOTE [Outputs the parent
+    keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
+    gone: dict[int, int] = {}  # block -> from where no step frees its output (a top-level segment's end, or start)
+    for node in nodes:
+        if node.end is not None:
+            gone.update(dict.fromkeys(range(node.start, node.end - 1), node.end))
+            if node.start > 0:  # the segment's input: held by the segment until its backward
+                gone[node.start - 1] = node.start
+    out: dict[int, tuple[int, int]] = {}
+    for o in c.outputs:
+        k = o.receivers[0]
+        if k not in gone:
+            continue
+        for i, step in enumerate(steps):
+            after = step.place[0] == "post" or step.place[1] >= gone[k]
+            if not step.again and after and o.freed.get(step.run) == step.place:
+                d, least = out.get(i, (0, 0))
+                out[i] = (d + o.nbytes, max(least, o.after[step.run] + d + o.nbytes))
+    return out
+
+
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
     steps = _walk(c, nodes)
     fixes = _shared_fixes(c, nodes, steps)
-    for extra in (_selective_caches(c, nodes, steps), _written_inputs(c, nodes, steps)):
+    for extra in (_selective_caches(c, nodes, steps), _written_inputs(c, nodes, steps), _outputs_gone(c, nodes, steps)):
         for i, (d, least) in extra.items():
             d0, least0 = fixes.get(i, (0, 0))
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
@@ -316,8 +353,9 @@ def _places(profile: Profile) -> dict[Key, Place]:
     return out
 
 
-def shared_storages(profile: Profile, chain: Chain) -> tuple[Shared, ...]:
-    """The glue-made storages handed to blocks, with each run's free placed in the walk (``Costs.shared``)."""
+def shared_storages(profile: Profile, chain: Chain, outputs: bool = False) -> tuple[Shared, ...]:
+    """The glue-made storages handed to blocks, with each run's free placed in the walk (``Costs.shared``);
+    with ``outputs``, the blocks' outputs instead, ``receivers`` then the block that made it (``Costs.outputs``)."""
     places, index = _places(profile), {b: i for i, b in enumerate(chain.blocks)}
     groups: dict[Place, list[Key]] = {}
     for key in (*profile.fwd_order, *profile.bwd_order):
@@ -325,7 +363,9 @@ def shared_storages(profile: Profile, chain: Chain) -> tuple[Shared, ...]:
     out = []
     for crossing in profile.crossings:
         receivers = [index.get(r[1] or "") for r in crossing.receivers]
-        if crossing.producer is not None or None in receivers:
+        if outputs:
+            receivers = [index.get(crossing.producer[1] or "")] if crossing.producer is not None else [None]
+        if (crossing.producer is not None and not outputs) or None in receivers:
             continue
         freed: dict[int, Place | None] = {}
         after: dict[int, int] = {}

@@ -57,9 +57,10 @@ def check_plan_fields(data: dict[str, Any]) -> None:
         if name in data and not (data[name] is None and nullable) and not _is(data[name], kind):
             want = ("a non-negative " if kind == _INT else "") + kind + (" or null" if nullable else "")
             raise _field_error(name, data[name], want)
-    notes = data.get("notes", [])
-    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
-        raise _field_error("notes", notes, "a list of strings")
+    for name in ("notes", "unchained"):
+        value = data.get(name, [])
+        if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+            raise _field_error(name, value, "a list of strings")
     if data.get("execution", "eager") not in ("eager", "compiled"):
         raise _field_error("execution", data["execution"], '"eager" or "compiled"')
     segments = data.get("segments", [])

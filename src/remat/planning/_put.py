@@ -45,7 +45,7 @@ def _put(model: nn.Module, plan: Plan) -> None:
                 wrap_fine(modules[name])
             elif policy != KEEP:
                 wrap(modules[name], policy=policy)
-        schedule_segments(model, list(plan.assignment), plan.segments)
+        schedule_segments(model, list(plan.assignment), plan.segments, plan.unchained)
     except BaseException:
         for module in done:
             unschedule(module)

@@ -82,6 +82,10 @@ class Plan:
     loop: str = ""
     """What the planned step holds beyond forward and backward (an optimizer's state and step, accumulated
     gradients: NOTE [The step a loop repeats]); empty: neither."""
+    unchained: tuple[str, ...] = ()
+    """Blocks whose output the profiled forward read outside the next block (a skip, a list the parent keeps,
+    a write in place): ``remat.apply`` refuses a segment holding one (NOTE [What the parent does with a
+    block's output] in remat.planning._nested), hand-made segments too."""
 
     @property
     def verified(self) -> bool:
@@ -144,7 +148,8 @@ class Plan:
             )
         check_plan_fields(data)
         segments = tuple(tuple(pair) for pair in data.get("segments", ()))
-        return cls(**{**data, "notes": tuple(data.get("notes", ())), "segments": segments})
+        unchained = tuple(data.get("unchained", ()))
+        return cls(**{**data, "notes": tuple(data.get("notes", ())), "segments": segments, "unchained": unchained})
 
 
 #: Unitless numbers from here up are bytes; below, only fractions 0 < f <= 1 are read (NOTE [One budget rule]).
@@ -264,6 +269,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
         training=profile.training,
         parameters=profile.parameters,
         loop=profile.loop,
+        unchained=tuple(profile.unchained),
     )
 
 
@@ -432,4 +438,5 @@ def _nested(profile: Profile, limit: int, minimum: int) -> Plan | None:
         parameters=profile.parameters,
         segments=segments,
         loop=profile.loop,
+        unchained=tuple(profile.unchained),
     )
