@@ -150,7 +150,7 @@ def _fake_measure(monkeypatch: pytest.MonkeyPatch, error: int, seen: list) -> No
     # Every plan measures `error` bytes above its prediction.
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.budget_bytes)
-        return plan.predicted_peak_bytes + error, None
+        return verify_module.Step(plan.predicted_peak_bytes + error)
 
     monkeypatch.setattr(verify_module, "_measured", measured)
 
