@@ -290,19 +290,24 @@ def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> di
 def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
     """Outputs a segment let go of in its forward that a later step's run frees (NOTE [Outputs the parent
     keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
-    gone: dict[int, int] = {}  # block -> from where no step frees its output (a top-level segment's end, or start)
+    # block -> (from which forward, from which backward no step frees its output): a top-level segment's
+    # outputs but the last are gone from its end on; its input is held until the segment's backward is
+    # done, which frees it at its first block's backward (the keep run's free there stands)
+    gone: dict[int, tuple[int, int]] = {}
     for node in nodes:
         if node.end is not None:
-            gone.update(dict.fromkeys(range(node.start, node.end - 1), node.end))
-            if node.start > 0:  # the segment's input: held by the segment until its backward
-                gone[node.start - 1] = node.start
+            gone.update(dict.fromkeys(range(node.start, node.end - 1), (node.end, node.end)))
+            if node.start > 0:
+                gone[node.start - 1] = (node.start, node.start + 1)
     out: dict[int, tuple[int, int]] = {}
     for o in c.outputs:
         k = o.receivers[0]
         if k not in gone:
             continue
+        fwd_from, bwd_from = gone[k]
         for i, step in enumerate(steps):
-            after = step.place[0] == "post" or step.place[1] >= gone[k]
+            kind, at = step.place
+            after = kind == "post" or (kind == "bwd" and at >= bwd_from) or (kind != "bwd" and at >= fwd_from)
             if not step.again and after and o.freed.get(step.run) == step.place:
                 d, least = out.get(i, (0, 0))
                 out[i] = (d + o.nbytes, max(least, o.after[step.run] + d + o.nbytes))
