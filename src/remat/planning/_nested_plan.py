@@ -110,8 +110,9 @@ def lowest_nested(c: Costs, high: int) -> tuple[int, tuple[Node, ...]] | None:
     first = cell(tables, c, best[0])
     for head in range(first, last + 1) if first is not None else ():
         found = best_at(tables, head)
-        if found is not None and found[1] < best[1] and simulate(c, found[0]) <= best[0]:
-            best = (best[0], found[1], found[0])
+        walk = simulate(c, found[0]) if found is not None else _NEVER
+        if found is not None and (walk, found[1]) < best[:2]:  # a lower walk lowers the floor itself
+            best = (walk, found[1], found[0])
     return best[0], best[2]
 
 
@@ -130,9 +131,40 @@ def nested_floor(profile: Profile) -> tuple[int, tuple[Node, ...]] | None:
     if cached is False:
         c = costs_of(profile)
         lowest = None if c is None else lowest_nested(c, profile.baseline_peak_bytes)
-        cached = None if c is None or lowest is None else (_peak(profile, c, lowest[1]), lowest[1])
+        cached = None if c is None or lowest is None else _settled(profile, c, lowest[1])
         profile.__dict__["_remat_nested_floor"] = cached
     return cached
+
+
+def _settled(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> tuple[int, tuple[Node, ...]]:
+    """The floor where ``plan_nested`` finds no lower walk: the floor is what a budget at it gets planned
+    (``Plan.min_peak_bytes`` is the peak of the plan for that budget), and the tables read around a budget may
+    hold a plan the DP's least need did not pick that walks lower (NOTE [The nested DP])."""
+    floor = (_peak(profile, c, nodes), nodes)
+    for _ in range(4):
+        lower = min(((peak, nodes) for _, nodes, peak in _fitting(profile, c, floor[0])), default=floor)
+        if lower[0] >= floor[0]:
+            break
+        floor = lower
+    return floor
+
+
+def _fitting(profile: Profile, c: Costs, limit: int) -> list[tuple[float, tuple[Node, ...], int]]:
+    """(extra seconds, plan, predicted peak) of the plans read from the tables at budgets around ``limit`` whose
+    walk fits it. The DP's view differs from the walk where a block's input is freed by another block than in
+    its own run (NOTE [The nested DP]), either way: read the fastest plan at a range of DP budgets around the
+    limit from one table (its grid as fine as the lowest budget's own)."""
+    built = _tables_at(c, int(limit * max(_SCALES)), finest=int(limit * min(_SCALES)))
+    if built is None:
+        return []
+    out = []
+    for scale in _SCALES:
+        head = cell(built[0], c, int(limit * scale))
+        trial = best_at(built[0], head) if head is not None else None
+        peak = _peak(profile, c, trial[0]) if trial is not None else limit + 1
+        if trial is not None and peak <= limit:
+            out.append((trial[1], trial[0], peak))
+    return out
 
 
 def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tuple[str, str], ...], int, float] | None:
@@ -140,20 +172,9 @@ def plan_nested(profile: Profile, limit: int) -> tuple[dict[str, str], tuple[tup
     c = costs_of(profile)
     if c is None:
         return None
-    # The DP's view differs from the walk where a block's input is freed by another block than in its own run
-    # (NOTE [The nested DP]), either way: read the fastest plan at a range of DP budgets around the limit from
-    # one table (its grid as fine as the lowest budget's own) and keep the fastest whose walk fits (the floor's
-    # plan fits wherever the floor does).
-    fits = []
-    built = _tables_at(c, int(limit * max(_SCALES)), finest=int(limit * min(_SCALES)))
-    tables = built[0] if built is not None else None
-    for scale in _SCALES:
-        head = cell(tables, c, int(limit * scale)) if tables is not None else None
-        trial = best_at(tables, head) if tables is not None and head is not None else None
-        if trial is not None and _peak(profile, c, trial[0]) <= limit:
-            fits.append((trial[1], trial[0]))
+    fits = [(t, nodes) for t, nodes, _ in _fitting(profile, c, limit)]
     floor = nested_floor(profile)
-    if floor is not None and floor[0] <= limit:
+    if floor is not None and floor[0] <= limit:  # the floor's plan fits wherever the floor does
         fits.append((extra_time(c, floor[1]), floor[1]))
     if not fits:
         return None
