@@ -104,8 +104,15 @@ def test_the_profile_sees_a_parent_that_writes_block_outputs_in_place():
 def test_a_segment_refuses_an_in_place_write_between_its_blocks():
     torch.manual_seed(0)
     model = Offsets()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     prof = remat.profile(model, _x(), repeat=1, warmup=0)
-    remat.apply(model, _nested_plan(prof, "blocks.2", "blocks.5"))
+    plan = _nested_plan(prof, "blocks.2", "blocks.5")
+    # the profile saw the writes: apply refuses the plan and leaves the model as it was
+    with pytest.raises(NotAChain, match="read outside the next block"):
+        remat.apply(model, plan)
+    assert _untouched(model, before)
+    # a plan that does not carry them (made by hand, or from another profile) is refused as the segment runs
+    remat.apply(model, dataclasses.replace(plan, unchained=()))
     try:
         with pytest.raises(NotAChain, match="unchanged"):
             model(_x())
