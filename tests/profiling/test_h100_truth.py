@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import remat
 from remat.bench._gpu_truth import FILES, build_config, compare, load
@@ -43,12 +44,29 @@ def as_ran(truth):
     return out
 
 
+def attention_calls(monkeypatch):
+    """Records how the model calls SDPA: (mask given, is_causal, enable_gqa) per call."""
+    calls = set()
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):
+        calls.add((attn_mask is not None, is_causal, kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return calls
+
+
 @pytest.mark.parametrize("name,label", CASES)
-def test_fake_h100_profile_predicts_measured_peaks(name, label):
+def test_fake_h100_profile_predicts_measured_peaks(name, label, monkeypatch):
     truth = as_ran(load(name))
     zoo = build_config(truth, label)  # on the meta device: nothing allocated
     policies = ("keep", "selective-ops", "full")
+    calls = attention_calls(monkeypatch)
     prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, target="h100", policies=policies)
+    # the peaks describe one attention call (NOTE [The measured attention call]); another kernel is another model
+    gqa = truth["models"][label]["zoo"] == "llama"
+    assert calls == {(False, True, gqa)}, f"SDPA called as (mask, is_causal, enable_gqa) {calls}"
     rows = compare(truth, label, prof)
     assert len(rows) == 6
     worst = max(rows, key=lambda r: abs(r.peak_error))

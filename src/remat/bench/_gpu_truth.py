@@ -10,9 +10,11 @@ profile's predictions beside the measured rows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -48,14 +50,38 @@ def autocast_forward(model: nn.Module, dtype: torch.dtype) -> None:
     model.forward = forward
 
 
+# NOTE [The measured attention call]
+# Every configuration was measured with transformers 5.x, whose GPT-2 and Llama call SDPA, for the
+# unpadded batches the zoo builds, with no mask and ``is_causal=True`` (Llama also ``enable_gqa=True``,
+# its K/V heads not repeated). transformers 4.x (4.57 seen), given position ids and no attention mask,
+# always builds an explicit boolean causal mask (its packed-sequence check returns a mask even for one
+# sequence per row) and then repeats the K/V heads, on a GPU as on fake tensors: SDPA takes another
+# kernel (fp32 Llama: memory-efficient instead of math, which keeps no attention maps), a different
+# computation that these peaks do not describe. An all-ones attention mask makes 4.x drop its mask and
+# make the measured call; 5.x makes that call either way, so the mask is added only under 4.x and the
+# inputs stay as measured elsewhere. The mask is a real CPU tensor even for a meta build: the fake run
+# answers transformers' ``mask.all()`` check from its values.
+
+
+def _needs_all_ones_mask() -> bool:
+    """Whether the installed transformers needs an attention mask to make the measured attention call."""
+    try:
+        major = int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return major < 5
+
+
 def build_config(truth: dict[str, Any], label: str, device: str | torch.device = "meta") -> ZooModel:
-    """Configuration ``label`` of a ground-truth file, on ``device`` (``meta``: for fake profiles only)."""
+    """Configuration ``label`` of a ground-truth file, on ``device`` (``meta``: for fake profiles only),
+    making the attention call that was measured (NOTE [The measured attention call])."""
     entry = truth["models"][label]
-    if str(device) == "meta":
-        with torch.device("meta"):
-            zoo = build(entry["zoo"], **entry["opts"])
-    else:
+    meta = str(device) == "meta"
+    with torch.device("meta") if meta else contextlib.nullcontext():
         zoo = build(entry["zoo"], **entry["opts"])
+    if _needs_all_ones_mask():
+        zoo.inputs["attention_mask"] = torch.ones(zoo.inputs["input_ids"].shape, dtype=torch.long)
+    if not meta:
         zoo.model.to(device)
         zoo.inputs = {k: v.to(device) for k, v in zoo.inputs.items()}
     if truth.get("autocast") == "bf16":
