@@ -142,11 +142,15 @@ def _settled(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> tuple[int, 
     hold a plan the DP's least need did not pick that walks lower (NOTE [The nested DP])."""
     floor = (_peak(profile, c, nodes), nodes)
     for _ in range(4):
-        lower = min(((peak, nodes) for _, nodes, peak in _fitting(profile, c, floor[0])), default=floor)
+        lower = min(((peak, nodes) for _, nodes, peak in _fitting(profile, c, floor[0])), key=_first, default=floor)
         if lower[0] >= floor[0]:
             break
         floor = lower
     return floor
+
+
+def _first(item: tuple[int, tuple[Node, ...]]) -> int:
+    return item[0]
 
 
 def _fitting(profile: Profile, c: Costs, limit: int) -> list[tuple[float, tuple[Node, ...], int]]:
