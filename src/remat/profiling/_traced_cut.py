@@ -127,13 +127,25 @@ def _sizes(gm: fx.GraphModule, values: tuple) -> tuple[dict[fx.Node, int], dict[
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     sizes = _Sizes(gm, mode)
+    buffers = [(b, b._version, b.clone()) for b in gm.buffers()]
     try:
         fake = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values)
         with torch.no_grad(), mode:
             sizes.run(*fake)
     except Exception:  # noqa: BLE001 (.item(), data-dependent shapes: cuts are then spread by op count)
         return None
+    finally:
+        _restore_written(buffers)
     return sizes.sizes, sizes.metas
+
+
+def _restore_written(buffers: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    """Put back the buffers a fake run wrote to: a real buffer under ``allow_non_fake_inputs`` takes some writes
+    for real (BatchNorm's ``num_batches_tracked += 1``), and sizing the cut must leave the model as it was."""
+    with torch.no_grad():
+        for buffer, version, before in buffers:
+            if buffer._version != version:
+                buffer.copy_(before)
 
 
 def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[fx.Node, int] | None) -> list[int]:
