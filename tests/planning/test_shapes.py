@@ -152,7 +152,9 @@ def test_every_shape_gets_a_plan_that_holds_and_trains_the_same(name):
         remat.remove(model)
     assert measured <= budget, (name, measured, budget, plan.summary())
     assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (name, plan.predicted_peak_bytes, measured)
-    if name != "layer-list":  # its tanh runs in the parent between the Linears: no unit holds a saving
+    if name == "layer-list":  # its tanhs run in the parent: cut along the trace (NOTE [Units that free little])
+        assert all(b.name.startswith("remat_traced.") for b in prof.blocks) and floor < prof.baseline_peak_bytes
+    else:
         # the lowest peak leaves at most 60% of what the step holds beyond its resting bytes and gradients
         fixed = prof.resting_bytes + prof.grad_bytes
         assert floor - fixed < 0.6 * (prof.baseline_peak_bytes - fixed) and plan.checkpointed, (name, floor, fixed)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.profiling._traced import HOLDER
-from tests.conftest import Untouched, assert_grads_equal, twin
+from tests.conftest import Untouched, assert_buffers_equal, assert_grads_equal, twin
 
 
 def heavy_function(x, a):
@@ -283,3 +283,101 @@ def test_segments_that_differ_are_profiled_whole():
     model, x = Growing(loops=24), torch.randn(64)
     prof = remat.profile(model, x, policies=("keep", "full"), fake=True, target="cpu")
     assert len(prof.blocks) == 32 and not any("profiled once" in note for note in prof.notes)
+
+
+class TanhList(nn.Module):
+    """Linears in a ModuleList, the parent applying a tanh after each: the tanh outputs are the parent's."""
+
+    def __init__(self, layers: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class UntraceableTanhList(TanhList):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace it
+            x = x * 1.0
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_module_units_that_free_little_give_way_to_the_traced_cut(fake):
+    # NOTE [Units that free little]: each Linear keeps only its input, which checkpointing keeps as well
+    from remat.profiling.profile import activation_bytes, freeable_bytes
+
+    torch.manual_seed(0)
+    model, x = TanhList(), torch.randn(256, 32)
+    as_modules = remat.profile(model, x, blocks="coarse", repeat=1, warmup=0, fake=fake)
+    assert [b.name for b in as_modules.blocks] == [f"layers.{i}" for i in range(8)]
+    assert freeable_bytes(as_modules) == 0
+    assert remat.plan(as_modules, strategy="none").min_peak_bytes == as_modules.baseline_peak_bytes
+    prof = remat.profile(model, x, repeat=1, warmup=0, fake=fake)
+    assert all(b.name.startswith(HOLDER + ".") for b in prof.blocks) and len(prof.blocks) >= 2
+    assert freeable_bytes(prof) >= 0.25 * activation_bytes(prof)
+    assert prof.baseline_peak_bytes == as_modules.baseline_peak_bytes
+    assert remat.plan(prof, strategy="none").min_peak_bytes < 0.9 * prof.baseline_peak_bytes
+    assert not hasattr(model, HOLDER)  # the segments were taken off after profiling
+
+
+def test_the_traced_cut_of_a_layer_list_trains_the_same_and_comes_off():
+    torch.manual_seed(0)
+    model, x = TanhList(), torch.randn(256, 32)
+    ref, keys = twin(model), list(model.state_dict())
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    plan = remat.auto(
+        model, x, budget=(remat.plan(prof, strategy="none").min_peak_bytes + prof.baseline_peak_bytes) // 2
+    )
+    assert plan.checkpointed and all(name.startswith(HOLDER + ".") for name in plan.assignment)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(ref, model)
+    assert list(model.state_dict()) == keys
+    remat.remove(model)
+    assert not hasattr(model, HOLDER) and "forward" not in vars(model)
+
+
+def test_module_units_stand_where_the_forward_cannot_be_traced():
+    torch.manual_seed(0)
+    model, x = UntraceableTanhList(), torch.randn(64, 32)
+    untouched = Untouched(model)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    untouched.check()
+    assert [b.name for b in prof.blocks] == [f"layers.{i}" for i in range(8)]
+
+
+class NormedConvs(nn.Module):
+    """Submodules that all differ, BatchNorms among them: no blocks, so the forward is cut along its trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c3 = nn.Conv2d(16, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.tanh(torch.relu(self.b1(self.c1(x))) * 2)
+        x = torch.sin(torch.relu(self.b2(self.c2(x))) * 3)
+        return torch.sin(torch.tanh(self.c3(x)) * 2)
+
+
+def test_cutting_a_forward_with_batchnorm_leaves_its_buffers_and_trains_the_same():
+    # sizing the cut runs the traced forward on fake tensors, where BatchNorm's num_batches_tracked += 1 is real
+    torch.manual_seed(0)
+    model, x = NormedConvs(), torch.randn(4, 3, 16, 16)
+    ref, untouched = twin(model), Untouched(model)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    untouched.check()
+    assert all(b.name.startswith(HOLDER + ".") for b in prof.blocks)
+    remat.apply(model, remat.plan(prof, strategy="all"))
+    try:
+        model(x).sum().backward()
+        ref(x).sum().backward()
+        assert_grads_equal(ref, model)
+        assert_buffers_equal(ref, model)
+    finally:
+        remat.remove(model)

@@ -73,7 +73,6 @@ def profile(
             the step.
     """
     from remat.profiling._blocks import find_blocks, suggest_blocks
-    from remat.profiling._profile_run import validate_policies
 
     require_module(model, "remat.profile")
     if not fake:  # a fake profile takes a meta model with CPU inputs
@@ -81,31 +80,89 @@ def profile(
     if warmup < 0 or repeat < 1:
         raise RematError(f"remat.profile: need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}.")
     names = find_blocks(model, blocks)
+    options = dict(
+        policies=policies,
+        warmup=warmup,
+        repeat=repeat,
+        fake=fake,
+        target=target,
+        training=training,
+        optimizer=optimizer,
+        accumulation_steps=accumulation_steps,
+    )
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
-        from remat.profiling._traced import traced_units
-        from remat.profiling._traced_repeat import widen
+        return _traced_profile(model, inputs, loss_fn, options, suggest_blocks(model))
+    prof = _module_profile(model, inputs, loss_fn, names, **options)
+    if blocks not in (None, "auto") or freeable_bytes(prof) >= _FREES_ENOUGH * activation_bytes(prof):
+        return prof
+    # NOTE [Units that free little]
+    try:
+        cut = _traced_profile(model, inputs, loss_fn, options, "")
+    except RematError:  # not traceable: the module units stand
+        return prof
+    return cut if freeable_bytes(cut) > freeable_bytes(prof) else prof
 
-        hint = suggest_blocks(model)
-        options = dict(
-            policies=policies,
-            warmup=warmup,
-            repeat=repeat,
-            fake=fake,
-            target=target,
-            training=training,
-            optimizer=optimizer,
-            accumulation_steps=accumulation_steps,
-        )
-        with traced_units(model, inputs, training=training, api="remat.profile", hint=hint) as (names, full):
-            prof = profile(model, inputs, loss_fn, blocks=names, **options)
-        wide = prof if names == full else widen(prof, names, full)  # NOTE [Identical segments are profiled once]
-        if wide is None:  # a record the widening cannot place: the whole chain is profiled
-            with traced_units(model, inputs, training=training, api="remat.profile", hint=hint, shorten=False) as (
-                names,
-                _,
-            ):
-                wide = profile(model, inputs, loss_fn, blocks=names, **options)
-        return wide
+
+# NOTE [Units that free little]
+# Module units can leave most of a step's activations outside any unit: a ModuleList of Linears whose
+# parent applies a tanh after each keeps every tanh output in the parent, where no plan of those units
+# frees it (each Linear keeps only its input, which checkpointing keeps too, and the parent reads each
+# output, so no nested segment spans two). Where the units together
+# can free less than a quarter of what the step holds beyond its resting bytes and gradients, and blocks
+# were not named, the forward is also cut along its fx trace (the parent's ops inside the segments) and
+# the profile whose units can free more is returned: a second profile only for such models.
+_FREES_ENOUGH = 0.25
+
+
+def freeable_bytes(prof: Profile) -> int:
+    """What plans of the units could free together: per unit, keep's saved bytes less the fewest any policy saves,
+    and the output of each unit that hands it only to the next (a nested segment over both frees it)."""
+    saved = sum(b.saved_bytes[KEEP] - min(b.saved_bytes.values()) for b in prof.blocks)
+    handed = sum(b.output_bytes for b in prof.blocks[:-1] if b.name not in prof.unchained)
+    return saved + handed
+
+
+def activation_bytes(prof: Profile) -> int:
+    """What the step without checkpointing holds at its peak beyond resting bytes and gradients."""
+    return prof.baseline_peak_bytes - prof.resting_bytes - prof.grad_bytes
+
+
+def _traced_profile(model: Any, inputs: Any, loss_fn: Any, options: dict[str, Any], hint: str) -> Profile:
+    """The profile of ``model``'s forward cut into traced segments (NOTE [Cutting a traced forward])."""
+    from remat.profiling._traced import traced_units
+    from remat.profiling._traced_repeat import widen
+
+    training = options["training"]
+    with traced_units(model, inputs, training=training, api="remat.profile", hint=hint) as (names, full):
+        prof = profile(model, inputs, loss_fn, blocks=names, **options)
+    wide = prof if names == full else widen(prof, names, full)  # NOTE [Identical segments are profiled once]
+    if wide is None:  # a record the widening cannot place: the whole chain is profiled
+        with traced_units(model, inputs, training=training, api="remat.profile", hint=hint, shorten=False) as (
+            names,
+            _,
+        ):
+            wide = profile(model, inputs, loss_fn, blocks=names, **options)
+    return wide
+
+
+def _module_profile(
+    model: Any,
+    inputs: Any,
+    loss_fn: Any,
+    names: list[str],
+    *,
+    policies: tuple[str, ...],
+    warmup: int,
+    repeat: int,
+    fake: bool,
+    target: Any,
+    training: bool | None,
+    optimizer: Any,
+    accumulation_steps: int,
+) -> Profile:
+    """The profile of ``model`` with the module units ``names``."""
+    from remat.profiling._profile_run import validate_policies
+
     policies = validate_policies(policies)
     loop = make_loop(model, optimizer, accumulation_steps, "remat.profile")
     if training is not None and not isinstance(training, bool):
