@@ -72,8 +72,11 @@ def _collect(value: Any, found: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
         found.append(value)
     elif isinstance(value, (tuple, list)):
-        for v in value:
-            _collect(v, found)
+        for v in value:  # the leaves here, not in a call each: most are ints (sizes, strides) or tensors
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif isinstance(v, (tuple, list, dict)):
+                _collect(v, found)
     elif isinstance(value, dict):
         for v in value.values():
             _collect(v, found)

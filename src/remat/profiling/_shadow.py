@@ -46,6 +46,24 @@ _UNINITIALIZED = {
 }
 
 
+_INERT: dict[Any, bool] = {}
+
+
+def _inert(func: Any) -> bool:
+    """An op this mode leaves as it is: it returns no tensor, writes none and reads no value (``prim.device``,
+    which the autograd engine asks of every gradient: most of the ops a fake step dispatches)."""
+    known = _INERT.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _INERT[func] = (
+            schema is not None
+            and func not in _ANSWERED
+            and not schema.is_mutable
+            and all("Tensor" not in str(r.type) and "Any" not in str(r.type) for r in schema.returns)
+        )
+    return known
+
+
 class ValueShadows(TorchDispatchMode):
     """Real twins of small fake tensors (see NOTE [Value shadows])."""
 
@@ -94,6 +112,8 @@ class ValueShadows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if _inert(func):  # no output to shadow, no twin to drop: what the rest would conclude, at a dict's cost
+            return func(*args, **kwargs)
         ok, real = self._real((args, kwargs))
         real_args, real_kwargs = real if ok else (args, kwargs)
         if func in _ANSWERED and ok:
