@@ -38,19 +38,26 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat.core._region import _written_tensors
 
 T = TypeVar("T")
 
 
+_WRAPPERS: dict[type, bool] = {}
+
+
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold ``t``'s data: ``t`` itself, or the inner tensors of a
     wrapper subclass (a DTensor's local shard); see NOTE [Sharded parameters]."""
-    if not is_traceable_wrapper_subclass(t):
+    kind = type(t)
+    wrapper = _WRAPPERS.get(kind)
+    if wrapper is None:  # the protocol is the class's: asked once per class, not once per tensor of every op
+        wrapper = _WRAPPERS[kind] = is_traceable_wrapper_subclass_type(kind)
+    if not wrapper:
         return [t]
-    names, _ = t.__tensor_flatten__()
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass: its class says so
     inner = (getattr(t, n) for n in names)
     return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
 
