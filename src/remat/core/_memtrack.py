@@ -70,22 +70,20 @@ def op_tensors(value: Any) -> list[torch.Tensor]:
     return tensors, scalars and lists, tuples and dicts of them, so a plain walk of those
     finds every tensor pytree would, at a fraction of the cost of its general tree.
     """
+    if isinstance(value, torch.Tensor):  # most ops' output
+        return [value]
     found: list[torch.Tensor] = []
-    _collect(value, found)
+    if isinstance(value, (tuple, list, dict)):
+        _collect(value, found)
     return found
 
 
-def _collect(value: Any, found: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:  # the leaves here, not in a call each: most are ints (sizes, strides) or tensors
-            if isinstance(v, torch.Tensor):
-                found.append(v)
-            elif isinstance(v, (tuple, list, dict)):
-                _collect(v, found)
-    elif isinstance(value, dict):
-        for v in value.values():
+def _collect(value: tuple | list | dict, found: list[torch.Tensor]) -> None:
+    # the leaves here, not in a call each: most are ints (sizes, strides) or tensors
+    for v in value.values() if isinstance(value, dict) else value:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list, dict)):
             _collect(v, found)
 
 
