@@ -1,6 +1,7 @@
 """What ``remat.auto`` itself holds and costs on a device its step without checkpointing does not fit.
 
     OMP_NUM_THREADS=2 PYTHONPATH=src python benchmarks/fit.py [--quick] [--rounds 3] [--write]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/fit.py --cpu [--rounds 2]
 
 Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
 
@@ -13,6 +14,10 @@ Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
 * where auto's time goes: the phases of the last timed call, as shares of it (NOTE [Where the time goes]
   in remat.core._costs; ``remat profile -v`` logs the same);
 * what auto chose and how many real steps it verified with.
+
+``--cpu`` times the same calls in this process's CPU time instead (``time.process_time``, after a warm-up call
+of each; on one thread a loaded machine slows both alike, which wall time does not promise), and prints a
+table of auto's time in steps without the peaks; ``--write`` does not apply to it.
 
 ``--write`` puts the table into BENCHMARKS.md between this script's markers (``benchmarks/_sections.py``).
 """
@@ -116,6 +121,49 @@ def _times(zoo, budget: int, rounds: int) -> tuple[float, float, Costs]:
     return statistics.median(steps), statistics.median(autos), ledger
 
 
+def _cpu_times(zoo, budget: int, rounds: int) -> tuple[float, float, Costs, remat.Plan]:
+    """Medians of (one step without checkpointing, one auto call) in CPU time, after a warm-up of each; the
+    last call's phases and plan."""
+    training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+    zoo.model.zero_grad(set_to_none=True)
+    _auto(zoo, budget)
+    steps, autos = [], []
+    for _ in range(rounds):
+        start = time.process_time()
+        training_step(zoo.model, zoo.inputs, zoo.loss_fn)
+        steps.append(time.process_time() - start)
+        zoo.model.zero_grad(set_to_none=True)
+        start = time.process_time()
+        with costs("remat.auto") as ledger:
+            plan = _auto(zoo, budget)
+        autos.append(time.process_time() - start)
+    return statistics.median(steps), statistics.median(autos), ledger, plan
+
+
+def _policies(plan: remat.Plan) -> str:
+    counts = {p: list(plan.assignment.values()).count(p) for p in set(plan.assignment.values())}
+    return ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
+
+
+def cpu_rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
+    lines = [
+        "| model | budget | one step (CPU) | auto (CPU) | auto, in steps | where auto's time goes | plan |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, options in sizes.items():
+        zoo = build(name, **options)
+        keep = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+        for fraction in budgets:
+            torch.manual_seed(0)
+            step_s, auto_s, ledger, plan = _cpu_times(zoo, int(fraction * keep), rounds)
+            lines.append(
+                f"| {name} | {fraction} | {step_s * 1e3:.0f} ms | {auto_s:.2f} s | {auto_s / step_s:.1f} | "
+                f"{_where(ledger)} | {_policies(plan)} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def _where(ledger: Costs) -> str:
     """The phases that took a tenth of the call or more, with their shares."""
     total = ledger.total()
@@ -137,16 +185,10 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
             torch.manual_seed(0)
             own, plan, verified = _own_peak(zoo, budget)
             step_s, auto_s, ledger = _times(zoo, budget, rounds)
-            policies = ", ".join(
-                f"{n} {p}"
-                for p, n in sorted(
-                    {p: list(plan.assignment.values()).count(p) for p in set(plan.assignment.values())}.items()
-                )
-            )
             lines.append(
                 f"| {name} | {fraction} ({human_bytes(budget)}) | {human_bytes(keep)} | {human_bytes(own)} | "
                 f"{'yes' if own <= budget else 'NO'} | {auto_s / step_s:.1f} | {step_s * 1e3:.0f} ms | "
-                f"{_where(ledger)} | {verified} | {policies} |"
+                f"{_where(ledger)} | {verified} | {_policies(plan)} |"
             )
             print(lines[-1], flush=True)
     return lines
@@ -162,10 +204,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (medians)")
     parser.add_argument("--models", default=",".join(SIZES), help="comma-separated zoo models")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    parser.add_argument("--cpu", action="store_true", help="auto and a step in CPU time (set OMP_NUM_THREADS=1)")
     args = parser.parse_args()
     table = QUICK if args.quick else SIZES
     sizes = {m: table[m] for m in args.models.split(",")}
     print(f"# {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.cpu:
+        cpu_rows(sizes, (0.8, 0.6), args.rounds)
+        return
     lines = rows(sizes, (0.8, 0.6), args.rounds)
     if args.write:
         _write(lines)

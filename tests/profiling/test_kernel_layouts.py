@@ -1,5 +1,6 @@
 """Fake tensors laid out as the device's kernels lay out their outputs (``remat.profiling._kernel_layouts``)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.profiling._kernel_layouts import KernelLayouts
+from remat.profiling._shadow import ValueShadows
 
 
 class _Strides(TorchDispatchMode):
@@ -58,12 +60,12 @@ OPS = {
 }
 
 
-def _strides(op, fake):
+def _strides(op, fake, layer=KernelLayouts):
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.no_grad():
         x3, x4 = torch.ones(4, 64, 8), torch.ones(2, 4, 4, 8)
     x3.requires_grad_(), x4.requires_grad_()
     seen = _Strides()
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.enable_grad(), KernelLayouts(), seen:
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else torch.enable_grad(), layer(), seen:
         OPS[op](x3, x4).sum().backward()
     return seen.seen
 
@@ -71,6 +73,26 @@ def _strides(op, fake):
 @pytest.mark.parametrize("op", list(OPS))
 def test_fake_outputs_are_laid_out_as_the_cpu_kernels_lay_them_out(op):
     assert _strides(op, fake=True) == _strides(op, fake=False)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_value_shadows_lay_out_outputs_as_kernel_layouts_does(op):
+    # the fake profile lays outputs out inside its value shadows' layer, one dispatch layer fewer per op
+    assert _strides(op, fake=True, layer=lambda: ValueShadows(layouts=True)) == _strides(op, fake=False)
+
+
+@pytest.mark.parametrize("layer", ["stacked", "one layer"])
+def test_a_laid_out_output_keeps_the_values_of_its_shadow(layer):
+    real = torch.randn(2, 4, 8)
+    expected = F.batch_norm(real.transpose(1, 2), None, None, training=True)
+    mode, shadows = FakeTensorMode(allow_non_fake_inputs=True), ValueShadows(layouts=layer == "one layer")
+    with mode:
+        fake = torch.empty_strided(real.shape, real.stride())
+    shadows.seed(fake, real)
+    with mode, shadows, KernelLayouts() if layer == "stacked" else contextlib.nullcontext():
+        out = F.batch_norm(fake.transpose(1, 2), None, None, training=True)
+    assert out.stride() == expected.stride() and out.stride() != fake.transpose(1, 2).stride()
+    assert torch.allclose(shadows.twin(out), expected)
 
 
 class _BlockNorm(nn.Module):

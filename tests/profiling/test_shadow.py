@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-from remat.profiling._shadow import ValueShadows
+from remat.profiling._shadow import ValueShadows, _inert
 
 
 def _run(step):
@@ -49,3 +49,19 @@ def test_in_place_writes_keep_or_drop_the_twin():
         return out, "kept"
 
     assert _run(step) == (22, "dropped")
+
+
+@pytest.mark.parametrize(
+    "func, inert",
+    [
+        (torch.ops.prim.device.default, True),  # no tensor out, nothing written: passed through untouched
+        (torch.ops.aten.sym_size.int, True),
+        (torch.ops.aten._local_scalar_dense.default, False),  # no tensor out, but answered from the twins
+        (torch.ops.aten.equal.default, False),
+        (torch.ops.aten.add.Tensor, False),  # a tensor out, to shadow
+        (torch.ops.aten.add_.Tensor, False),  # writes a tensor, whose twin may go
+        (torch.ops.aten._foreach_add_.Scalar, False),  # writes, returns nothing
+    ],
+)
+def test_only_ops_with_nothing_to_shadow_skip_the_shadows(func, inert):
+    assert _inert(func) is inert

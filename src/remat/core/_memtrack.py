@@ -38,19 +38,26 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat.core._region import _written_tensors
 
 T = TypeVar("T")
 
 
+_WRAPPERS: dict[type, bool] = {}
+
+
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold ``t``'s data: ``t`` itself, or the inner tensors of a
     wrapper subclass (a DTensor's local shard); see NOTE [Sharded parameters]."""
-    if not is_traceable_wrapper_subclass(t):
+    kind = type(t)
+    wrapper = _WRAPPERS.get(kind)
+    if wrapper is None:  # the protocol is the class's: asked once per class, not once per tensor of every op
+        wrapper = _WRAPPERS[kind] = is_traceable_wrapper_subclass_type(kind)
+    if not wrapper:
         return [t]
-    names, _ = t.__tensor_flatten__()
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass: its class says so
     inner = (getattr(t, n) for n in names)
     return [p for x in inner if isinstance(x, torch.Tensor) for p in plain_tensors(x)]
 
@@ -63,19 +70,20 @@ def op_tensors(value: Any) -> list[torch.Tensor]:
     return tensors, scalars and lists, tuples and dicts of them, so a plain walk of those
     finds every tensor pytree would, at a fraction of the cost of its general tree.
     """
+    if isinstance(value, torch.Tensor):  # most ops' output
+        return [value]
     found: list[torch.Tensor] = []
-    _collect(value, found)
+    if isinstance(value, (tuple, list, dict)):
+        _collect(value, found)
     return found
 
 
-def _collect(value: Any, found: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _collect(v, found)
-    elif isinstance(value, dict):
-        for v in value.values():
+def _collect(value: tuple | list | dict, found: list[torch.Tensor]) -> None:
+    # the leaves here, not in a call each: most are ints (sizes, strides) or tensors
+    for v in value.values() if isinstance(value, dict) else value:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list, dict)):
             _collect(v, found)
 
 

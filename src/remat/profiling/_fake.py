@@ -45,7 +45,6 @@ from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._kernel_layouts import KernelLayouts
 from remat.profiling._profile_run import Ledger, _assemble, _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, young_collections
 from remat.profiling._shadow import ValueShadows
@@ -143,7 +142,7 @@ def _trace(
     loop: Loop,
 ) -> _Traced:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    shadows = ValueShadows()
+    shadows = ValueShadows(layouts=True)  # NOTE [Output layouts of the device's kernels]
 
     def fake_input(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -174,7 +173,7 @@ def _trace(
     ):
         for policy, run_as, learn in trace_schedule(policies):
             switch.set(run_as)
-            with mode, shadows, KernelLayouts():  # NOTE [Output layouts of the device's kernels]
+            with mode, shadows:
                 if learn:
                     with spent("fake learning steps"):
                         learn_structure(model, fake_inputs, loss_fn)

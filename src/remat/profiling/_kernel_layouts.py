@@ -63,20 +63,26 @@ def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
     return None
 
 
+def laid_out(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` of ``func`` with its first output laid out as the device's kernels lay it out (``out`` itself when
+    it already is, or ``func`` is not in ``SUGGESTED_FORMAT``); run with the modes below the caller's active."""
+    if func not in SUGGESTED_FORMAT:
+        return out
+    source = _input_of(func, args, kwargs)
+    first = out[0] if isinstance(out, tuple) else out
+    if not isinstance(source, torch.Tensor) or not isinstance(first, torch.Tensor):
+        return out
+    laid = first.contiguous(memory_format=suggest_memory_format(source))
+    if laid is first:
+        return out
+    return (laid, *out[1:]) if isinstance(out, tuple) else laid
+
+
 class KernelLayouts(TorchDispatchMode):
     """Inside a fake run: the outputs of ``SUGGESTED_FORMAT``'s ops laid out as the device's kernels lay them
-    out (NOTE [Output layouts of the device's kernels])."""
+    out (NOTE [Output layouts of the device's kernels]). A fake profile does the same inside its value shadows'
+    layer (``ValueShadows(layouts=True)``): each dispatch layer costs every op of the step."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func not in SUGGESTED_FORMAT:
-            return out
-        source = _input_of(func, args, kwargs)
-        first = out[0] if isinstance(out, tuple) else out
-        if not isinstance(source, torch.Tensor) or not isinstance(first, torch.Tensor):
-            return out
-        laid = first.contiguous(memory_format=suggest_memory_format(source))
-        if laid is first:
-            return out
-        return (laid, *out[1:]) if isinstance(out, tuple) else laid
+        return laid_out(func, args, kwargs, func(*args, **kwargs))

@@ -26,12 +26,14 @@ import weakref
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from remat.core._memtrack import op_tensors
 from remat.core._region import _written_tensors
 from remat.core._rng import draws_random
+from remat.profiling._kernel_layouts import SUGGESTED_FORMAT, _input_of, laid_out
 
 aten = torch.ops.aten
 _ANSWERED = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
@@ -44,12 +46,33 @@ _UNINITIALIZED = {
 }
 
 
+_INERT: dict[Any, bool] = {}
+
+
+def _inert(func: Any) -> bool:
+    """An op this mode leaves as it is: it returns no tensor, writes none and reads no value (``prim.device``,
+    which the autograd engine asks of every gradient: most of the ops a fake step dispatches)."""
+    known = _INERT.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _INERT[func] = (
+            schema is not None
+            and func not in _ANSWERED
+            and not schema.is_mutable
+            and all("Tensor" not in str(r.type) and "Any" not in str(r.type) for r in schema.returns)
+        )
+    return known
+
+
 class ValueShadows(TorchDispatchMode):
     """Real twins of small fake tensors (see NOTE [Value shadows])."""
 
-    def __init__(self, limit: int = 1 << 20) -> None:
+    def __init__(self, limit: int = 1 << 20, *, layouts: bool = False) -> None:
+        """``layouts``: also lay out outputs as the device's kernels do, as ``KernelLayouts`` stacked above this
+        mode would (NOTE [Output layouts of the device's kernels]), in this one dispatch layer."""
         super().__init__()
         self.limit = limit
+        self.layouts = layouts
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
     def seed(self, fake: torch.Tensor, real: torch.Tensor) -> None:
@@ -89,6 +112,8 @@ class ValueShadows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if _inert(func):  # no output to shadow, no twin to drop: what the rest would conclude, at a dict's cost
+            return func(*args, **kwargs)
         ok, real = self._real((args, kwargs))
         real_args, real_kwargs = real if ok else (args, kwargs)
         if func in _ANSWERED and ok:
@@ -113,4 +138,20 @@ class ValueShadows(TorchDispatchMode):
         elif getattr(getattr(func, "_schema", None), "is_mutable", False):
             for t in _written_tensors(func, args, kwargs):
                 self._twins.pop(id(t), None)
+        if self.layouts and func in SUGGESTED_FORMAT:
+            return self._laid_out(func, args, kwargs, out)
         return out
+
+    def _laid_out(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """``laid_out``'s output, its twin laid out alike: the ``clone`` that ``contiguous`` makes under a
+        ``KernelLayouts`` above would run through this mode, which shadows it as any op, so its twin is that clone."""
+        laid = laid_out(func, args, kwargs, out)
+        if laid is out:
+            return out
+        first, copy = (out[0], laid[0]) if isinstance(out, tuple) else (out, laid)
+        real = self.twin(first)
+        if real is not None and copy.numel() <= self.limit:
+            with _disable_current_modes():
+                twin = real.clone(memory_format=suggest_memory_format(_input_of(func, args, kwargs)))
+            self._keep(copy, twin)
+        return laid

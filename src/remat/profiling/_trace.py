@@ -382,7 +382,7 @@ class SegmentRecorder:
             seg.save_op_s += seconds
 
     def _note_reads(self, reader: str | None, args: Any) -> None:
-        for t in tensors_in(args):
+        for t in op_tensors(args):  # NOTE [Op arguments without pytree]
             for st in storages(t):
                 producer = self._outputs.get(st._cdata)
                 if producer is not None and producer != reader:
