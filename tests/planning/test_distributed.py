@@ -273,17 +273,10 @@ def test_fsdp_plans_hold_with_the_sharded_optimizer_state(ranks):
         assert r["fsdp_adamw"]["peak"] > r["fsdp_adamw"]["bare_peak"]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "open: in a full `make test` run two of the 26 plans measured above their prediction under FSDP2 + AdamW "
-        "(('full', 'full', 'full', 'selective') predicted 4275416, measured 4342616, +1.6%); exact when the file runs "
-        "alone: the cause of the flaky CI failure, not yet found"
-    ),
-)
 def test_every_plan_the_timings_could_pick_holds_under_fsdp(ranks):
     # auto's pick depends on this machine's timings (once, on a loaded machine, it measured over its budget):
-    # every assignment it could pick at the budget is measured, on both ranks, against its prediction.
+    # every assignment it could pick at the budget is measured, on both ranks, against its prediction. Exact on a
+    # loaded machine too: see NOTE [A collective's buffers die on the step's thread].
     for r in ranks:
         out = r["fsdp_adamw"]
         assert out["candidate_budget"] >= out["one_level_floor"]  # so never a nested plan: these are all

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
+from remat.core._collectives import is_cpu_collective, run_settled
 from remat.core._region import _written_tensors
 
 T = TypeVar("T")
@@ -196,7 +197,10 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         start = time.perf_counter()
-        out = func(*args, **kwargs)
+        if is_cpu_collective(func, args, kwargs):  # NOTE [A collective's buffers die on the step's thread]
+            out = run_settled(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         seconds = time.perf_counter() - start
         self._discover(func, args, kwargs)
         for t in op_tensors(out):
