@@ -121,3 +121,15 @@ def test_targets():
     with pytest.raises(remat.RematError, match="only applies to fake=True"):
         zoo = build("seed-cifar", batch=2)
         remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, target="h100")
+
+
+def test_a_fake_profile_is_the_same_recomputation_for_recomputation_every_time():
+    # a storage's key is its address: what a recomputation rebuilt is told by the allocation clock, not by keys
+    # taken before it, which an address reused during it would hide
+    runs = []
+    for _ in range(2):
+        with torch.device("meta"):
+            zoo = build("gpt2")
+        prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True)
+        runs.append([r.to_json() for r in prof.recomputes])
+    assert runs[0] == runs[1] and any(r["freed_after"] for r in runs[0])

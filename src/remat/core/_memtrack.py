@@ -133,14 +133,21 @@ class StorageTracker(TorchDispatchMode):
         self.on_free = on_free
         self.made = 0
         """How many storages it has seen made (a clock of allocations, for the profiler)."""
+        self._born: dict[int, int] = {}
         """Called with a storage's key and bytes right after it is freed (``current`` already lowered)."""
 
     def _freed(self, key: int, _ref: weakref.ref) -> None:
         nbytes = self.live.pop(key, 0)
         self._refs.pop(key, None)
+        self._born.pop(key, None)
         self.current -= nbytes
         if self.on_free is not None and nbytes:
             self.on_free(key, nbytes)
+
+    def made_since(self, made: int) -> list[int]:
+        """Keys of the live storages made after the clock read ``made``: a storage's key is its address, which a
+        storage made later may reuse, so a set of keys taken earlier cannot say which ones are new."""
+        return [key for key, born in self._born.items() if born > made]
 
     def _add(self, t: torch.Tensor) -> None:
         for st in storages(t):
@@ -154,6 +161,7 @@ class StorageTracker(TorchDispatchMode):
         old = self.live.get(key)
         if old is None:
             self.made += 1
+            self._born[key] = self.made
             self.live[key] = nbytes
             self._refs[key] = weakref.ref(st, functools.partial(self._freed, key))
             self.current += nbytes

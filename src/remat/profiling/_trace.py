@@ -454,7 +454,7 @@ class SegmentRecorder:
             live,
             span,
             self._allocs,
-            set(self.tracker.live) if self.tracker is not None else set(),
+            self.tracker.made if self.tracker is not None else 0,
         ]
 
     def _on_recompute(self, start: Any, end: Any) -> None:
@@ -463,7 +463,7 @@ class SegmentRecorder:
         event, self._recomputing = self._recomputing, None
         if event is None or event[0] is None or self.tracker is None or self._current is None:
             return
-        block, begun, top, start, allocs, before = event
+        block, begun, top, start, allocs, made = event
         span = None
         if start is not None:
             if self._trajectory is None:
@@ -478,7 +478,7 @@ class SegmentRecorder:
             "span": span,
             "frees": [],
         }
-        for key in self.tracker.live.keys() - before:
+        for key in self.tracker.made_since(made):
             self._rebuilt[key] = record
 
     def __enter__(self) -> SegmentRecorder:
