@@ -131,13 +131,13 @@ def observed_recomputation(owner: nn.Module | None) -> Iterator[None]:
             observer[0](start, observer[1].mark())
 
 
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal``; fake tensors (a fake profile) have no values to compare, and count as written,
-    as the buffers they stand for are (batch-norm running statistics) on real tensors."""
+def _same_values(a: torch.Tensor, b: torch.Tensor, *, expected: bool) -> bool:
+    """``torch.equal``. Fake tensors (a fake profile) have no values: a buffer the first call saw written
+    counts as written, any other as unchanged, as the values on real tensors would say in the same mode."""
     try:
         return torch.equal(a, b)
     except DataDependentOutputException:
-        return False
+        return not expected
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -228,6 +228,8 @@ class Region:
         self.before: dict[int, torch.Tensor] = {}
         self.buffers: dict[int, list[tuple[weakref.ref, str]]] = {}
         self.entry_versions: dict[int, int] = {}
+        self.expected: set[int] = set()
+        """Storage keys of the buffers the first call saw written."""
         self.buffer_modules: dict[int, nn.Module] = {}
         self._inputs: list[torch.Tensor] | None = None
         self.written_inputs: dict[int, bool] = {}
@@ -264,6 +266,8 @@ class Region:
                 if self.learned is not None and not self.learned.writes_inputs:  # as watches_ops, narrowed
                     self.entry_versions[key] = buf._version
                     expected = (id(module), name) in self.learned.written_buffers
+                    if expected:
+                        self.expected.add(key)
                     if expected or buf.untyped_storage().nbytes() <= _SNAPSHOT_BYTES:
                         self.note_write(buf)
             owners = self.buffers.setdefault(key, [])
@@ -285,7 +289,8 @@ class Region:
             self.before = {
                 k: v
                 for k, v in self.before.items()
-                if self.watched[k]._version != self.entry_versions[k] or not _same_values(v, self.watched[k])
+                if self.watched[k]._version != self.entry_versions[k]
+                or not _same_values(v, self.watched[k], expected=k in self.expected)
             }
         self.input_versions = {id(t): t._version for t in inputs}
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
