@@ -1,2 +1,3 @@
-"""The diagnosis wing: ``remat.doctor`` (``doctor``), its checks (``_checks``), where it
-intercepts checkpointing (``_intercept``) and the Python state it watches (``_python_state``)."""
+"""The diagnosis wing: ``remat.doctor`` (``doctor``), its checks (``_checks`` for correctness,
+``_cost_checks`` for cost, over the records in ``_findings``), where it intercepts checkpointing
+(``_intercept``) and the Python state it watches (``_python_state``)."""

@@ -33,7 +33,8 @@ from remat.core._state import ModelState, capture, restoring
 from remat.core._step import InputGrads, LossFn, call_model, compute_loss, training_step
 from remat.core.measure import Measurement, _sync, device_of, measure
 from remat.diagnosis import _checks as checks
-from remat.diagnosis._checks import Costs, Finding, StepRecord
+from remat.diagnosis import _cost_checks as cost_checks
+from remat.diagnosis._findings import ERROR, Costs, Finding, StepRecord
 from remat.diagnosis._intercept import CallKey, CheckpointCall, Interceptor, always, never, observing, session
 from remat.diagnosis._python_state import PythonState
 from remat.errors import RematError
@@ -87,7 +88,7 @@ class DoctorReport:
     @property
     def errors(self) -> tuple[Finding, ...]:
         """Findings where training differs from the model without checkpointing."""
-        return tuple(f for f in self.findings if f.severity == checks.ERROR)
+        return tuple(f for f in self.findings if f.severity == ERROR)
 
     def codes(self) -> list[str]:
         """The findings' codes, in order."""
@@ -315,9 +316,9 @@ def _report(
         *checks.check_rng_stream(ref, ck),
         *checks.check_buffers(ref, ck, state.buffers),
         *checks.check_side_effects(ref, ck, python.hooks),
-        *(checks.check_cost(ck, costs, leaves, min_saving) if costs is not None else ()),
-        *checks.check_risky(ck),
-        *checks.check_speedup(costs, ref, frozen),
+        *(cost_checks.check_cost(ck, costs, leaves, min_saving) if costs is not None else ()),
+        *cost_checks.check_risky(ck),
+        *cost_checks.check_speedup(costs, ref, frozen),
     ]
     return DoctorReport(
         findings=tuple(findings),
