@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning import _verify as verify_module
+from remat.planning import _candidates as candidates_module
+from remat.planning import _verify_step as step_module
 
 
 class MLPBlock(nn.Module):
@@ -150,9 +151,9 @@ def _fake_measure(monkeypatch: pytest.MonkeyPatch, error: int, seen: list) -> No
     # Every plan measures `error` bytes above its prediction.
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.budget_bytes)
-        return verify_module.Step(plan.predicted_peak_bytes + error)
+        return step_module.Step(plan.predicted_peak_bytes + error)
 
-    monkeypatch.setattr(verify_module, "_measured", measured)
+    monkeypatch.setattr(candidates_module, "measured_step", measured)
 
 
 def test_replanning_uses_the_measured_error_as_margin(shared, monkeypatch):

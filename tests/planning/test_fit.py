@@ -14,7 +14,7 @@ from torch import nn
 
 import remat
 from remat.core._step import input_tensors
-from remat.planning import _verify as verify_module
+from remat.planning import _verify_step as step_module
 from remat.zoo import build
 
 
@@ -83,7 +83,7 @@ def test_auto_goes_lower_when_a_verification_step_runs_out_of_memory(monkeypatch
     model, x, _ = _mlp()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rng = torch.get_rng_state()
-    measure_peak = verify_module.measure_peak
+    measure_peak = step_module.measure_peak
     calls, failed = [], []
 
     def out_of_memory_once(model, inputs, loss_fn, loop):
@@ -94,7 +94,7 @@ def test_auto_goes_lower_when_a_verification_step_runs_out_of_memory(monkeypatch
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return measure_peak(model, inputs, loss_fn, loop)
 
-    monkeypatch.setattr(verify_module, "measure_peak", out_of_memory_once)
+    monkeypatch.setattr(step_module, "measure_peak", out_of_memory_once)
     keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
     plan = remat.auto(model, x, int(0.8 * keep), repeat=1, warmup=0)
     try:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning import _verify as verify_module
+from remat.planning import _candidates as candidates_module
+from remat.planning import _verify_step as step_module
 from remat.planning import apply as apply_module
 from remat.planning._nested import Costs, Node, costs_of, extra_time, simulate, solve_nested, to_plan
 from remat.planning._nested_plan import lowest_nested
@@ -143,9 +144,9 @@ def test_auto_falls_back_to_the_nested_floor(chain_and_profile, monkeypatch):
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan)  # every plan but the lowest-peak one measures over the budget
-        return verify_module.Step(floor if plan.predicted_peak_bytes == floor else budget + 1)
+        return step_module.Step(floor if plan.predicted_peak_bytes == floor else budget + 1)
 
-    monkeypatch.setattr(verify_module, "_measured", measured)
+    monkeypatch.setattr(candidates_module, "measured_step", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
     plan = remat.auto(model, x, budget)
     remat.remove(model)
@@ -187,14 +188,14 @@ def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch, caplog
     prof = remat.profile(model, x, repeat=1, warmup=0)
     one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     assert remat.plan(prof, strategy="none").min_peak_bytes < one_level  # auto's last resort is nested
-    real, seen = verify_module._measured, []
+    real, seen = step_module.measured_step, []
 
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         seen.append(plan.segments)  # plans above the one-level floor measure 1 MiB over: only the lowest is left
         step = real(model, inputs, loss_fn, plan, backend, loop)
         return replace(step, peak=step.peak + (2**20 if plan.predicted_peak_bytes > one_level else 0))
 
-    monkeypatch.setattr(verify_module, "_measured", measured)
+    monkeypatch.setattr(candidates_module, "measured_step", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
     with caplog.at_level(logging.INFO, logger="remat"):
         plan = remat.auto(model, x, (one_level + prof.baseline_peak_bytes) // 2)

@@ -15,7 +15,7 @@ from torch import nn
 
 import remat
 from remat.core._segment import NotAChain
-from remat.planning import _verify as verify_module
+from remat.planning import _verify_step as step_module
 from remat.planning import apply as apply_module
 from remat.profiling import _profile_run
 
@@ -185,7 +185,7 @@ def test_an_interrupt_during_verification_leaves_the_model_unplanned(monkeypatch
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(verify_module, "measure_peak", interrupted)
+    monkeypatch.setattr(step_module, "measure_peak", interrupted)
     with pytest.raises(KeyboardInterrupt):
         remat.auto(model, x, 0.5)
     assert _untouched(model, before)

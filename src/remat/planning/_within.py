@@ -15,7 +15,7 @@ plan is made on the fake profile: a real profile runs every policy uniformly and
 the ``keep`` step, its baseline, which is over the budget, and a profile without it
 would have no baseline for the peak model; the price is step times from the roofline
 rather than measured ones. A real profile that runs out of memory is a step over the
-budget too (NOTE [Out of memory is an answer] in remat.planning._verify): the profile
+budget too (NOTE [Out of memory is an answer] in remat.planning._verify_step): the profile
 restored the model, its tensors are collected, the allocator's cache is emptied, and
 the plan is made on the fake one. A model fake tensors cannot run is profiled for real,
 as before, and the log says so. auto then verifies with real steps only plans predicted
@@ -37,7 +37,7 @@ from torch import nn
 from remat.core._memtrack import empty_device_cache
 from remat.core.measure import device_of
 from remat.errors import RematError
-from remat.planning._verify import out_of_memory_reason
+from remat.planning._verify_step import out_of_memory_reason
 from remat.planning.plan import parse_budget
 from remat.profiling._format import human_bytes
 from remat.profiling._types import Profile

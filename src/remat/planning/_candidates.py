@@ -1,0 +1,219 @@
+"""The plans ``remat.auto`` measures, and what its verification learned about the model
+(NOTE [Nested plans on models that are not chains])."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.core._costs import spent
+from remat.core._fingerprint import Fingerprint
+from remat.core._loop import Loop
+from remat.core._policy_registry import KEEP
+from remat.core._segment import NotAChain
+from remat.core.measure import device_of
+from remat.errors import RematError
+from remat.planning._put import remove
+from remat.planning._verify_step import OutOfMemory, Step, measured_step
+from remat.planning.plan import Plan
+from remat.planning.plan import plan as make_plan
+from remat.profiling._format import human_bytes
+
+__all__ = ["Candidates", "Findings"]
+
+log = logging.getLogger("remat")
+
+
+@dataclass
+class Findings:
+    """What auto's verification learned about the model, kept across the profiles of one ``auto`` call."""
+
+    nested: bool = True
+    """False once nested segments were found not to run, or not to compute the same, on this model."""
+    reference: Fingerprint | None = None
+    """The step without checkpointing, summarised (NOTE [A verified plan trains the same function])."""
+    notes: list[str] = field(default_factory=list)
+    """What was found, for the plan's notes."""
+    compared_with: str = "the step without checkpointing"
+    """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
+
+
+def _blocks_of(names: list[str], blocks: list[str]) -> list[str]:
+    """The blocks that own the parameters and buffers in ``names`` (``grad:blocks.3.fc.weight`` -> blocks.3)."""
+    owners = []
+    for name in names:
+        path = name.partition(":")[2]
+        owner = max((b for b in blocks if path.startswith(b + ".")), key=len, default=None)
+        if owner is not None and owner not in owners:
+            owners.append(owner)
+    return owners
+
+
+class Candidates:
+    """Plans for ``auto`` to measure, nested while the model runs nested segments.
+
+    NOTE [Nested plans on models that are not chains]
+    The profile sees a chain of blocks wherever their segments follow one another, but a
+    nested segment also needs each block's output to be the next block's only input from
+    the parent, unchanged (``remat.core._segment``); the parent's code is only seen when
+    the plan runs. When a candidate with segments raises for that reason, or computes
+    another function (NOTE [A verified plan trains the same function]), auto plans one
+    level deep from then on (the one-level plan for the same budget), and says so in the notes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        loss_fn: Any,
+        prof: Any,
+        backend: str | None,
+        findings: Findings,
+        loop: Loop,
+        limit: int | None = None,
+    ) -> None:
+        self.model, self.inputs, self.loss_fn, self.prof, self.backend = model, inputs, loss_fn, prof, backend
+        self.loop = loop
+        self.findings = findings
+        self.limit = limit
+        self.tried: list[tuple[Plan, int | None]] = []
+        """Plans measured and their peaks (None: the step ran out of device memory)."""
+        self.reserved: dict[int, int] = {}
+        """The CUDA allocator's reserved peak of each plan measured on CUDA, by its index in ``tried``."""
+        self.reference_plan: Plan | None = None
+        """The plan whose step verified plans are compared with (None: the step without checkpointing)."""
+
+    @property
+    def nested(self) -> bool:
+        return self.findings.nested
+
+    def plan(self, budget: int | None) -> Plan:
+        # bytes with their unit: a small model's peak in bytes can be under 1024, which a unitless number is not
+        with spent("planning"):
+            return make_plan(self.prof, None if budget is None else f"{int(budget)}B", nested=self.nested)
+
+    def lowest(self) -> Plan:
+        """The plan at the lowest peak any plan reaches (the nested floor while nesting)."""
+        return self.plan(self.floor())
+
+    def floor(self) -> int:
+        """The lowest peak any plan is predicted to reach (nested ones while nesting)."""
+        with spent("planning"):
+            return make_plan(self.prof, strategy="none", nested=self.nested).min_peak_bytes
+
+    def measure(self, plan: Plan) -> tuple[Plan, int | None]:
+        """(the plan measured, its peak; None if it ran out of device memory): ``plan``, or its one-level twin
+        if its segments cannot run."""
+        same = [m for p, m in self.tried if (p.assignment, p.segments) == (plan.assignment, plan.segments)]
+        if same:
+            return plan, same[0]
+        try:
+            step = measured_step(self.model, self.inputs, self.loss_fn, plan, self.backend, self.loop)
+        except OutOfMemory as err:  # NOTE [Out of memory is an answer]
+            log.info("%s", err)
+            self.tried.append((plan, None))
+            return plan, None
+        except RematError as err:
+            if not plan.segments:
+                raise
+            reason = str(err) if isinstance(err, NotAChain) else f"a step with them failed: {err}"
+            return self._one_level(
+                plan, f"Nested segments do not run on this model ({reason}); planned one level deep."
+            )
+        differ = self._differences(plan, step.summary)
+        if differ and plan.segments:
+            return self._one_level(
+                plan,
+                f"Nested segments {_spans(plan)} changed the step's {_what(differ)} "
+                "(the parent does more between the blocks than pass each output on): "
+                "planned one level deep.",
+            )
+        if differ:
+            blocks = _blocks_of(differ, [b.name for b in self.prof.blocks])
+            remove(self.model)
+            raise RematError(
+                f"remat.auto: with blocks {', '.join(sorted(plan.checkpointed))} checkpointed, the verified step's "
+                f"{_what(differ)} differed from {self.findings.compared_with} (first: {differ[0]}"
+                f"{'; gradients of ' + ', '.join(blocks) if blocks else ''}), so the plan would train another "
+                "function. The model was left without checkpointing. Check these blocks for randomness torch's "
+                "generators do not drive, or Python state their forward changes, then call again; "
+                "remat.checkpoint(..., policy='keep') blocks you cannot change."
+            )
+        self._tried(plan, step)
+        return plan, step.peak
+
+    def _tried(self, plan: Plan, step: Step) -> None:
+        if step.reserved is not None:
+            self.reserved[len(self.tried)] = step.reserved
+        self.tried.append((plan, step.peak))
+
+    def reserved_of(self, plan: Plan) -> int | None:
+        """The reserved peak measured for ``plan`` (None: not measured on CUDA)."""
+        for i, (p, _) in enumerate(self.tried):
+            if (p.assignment, p.segments) == (plan.assignment, plan.segments) and i in self.reserved:
+                return self.reserved[i]
+        return None
+
+    def _one_level(self, plan: Plan, note: str) -> tuple[Plan, int | None]:
+        self.findings.nested = False
+        self.findings.notes.append(note)
+        log.info("remat.auto: %s", note)
+        try:
+            twin = self.plan(plan.budget_bytes)
+        except RematError:  # below the one-level minimum: its lowest-peak plan
+            twin = self.lowest()
+        return self.measure(twin)
+
+    def reference(self, plan: Plan) -> Fingerprint | None:
+        """What the step verified plans are compared with computes (NOTE [The step verified plans are compared
+        with]), measured once; raises OutOfMemory if even it did not fit the device."""
+        if self.findings.reference is not None:
+            return self.findings.reference
+        keep = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=())
+        if self.limit is not None and self.prof.baseline_peak_bytes > self.limit:
+            floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
+            keep = make_plan(self.prof, f"{floor}B", nested=False)
+            self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
+            self.findings.notes.append(
+                f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
+                f"the budget: verified plans were compared with {self.findings.compared_with} instead."
+            )
+        self.reference_plan = keep
+        step = measured_step(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
+        self._tried(keep, step)
+        self.findings.reference = step.summary
+        return step.summary
+
+    def _differences(self, plan: Plan, summary: Fingerprint | None) -> list[str]:
+        if summary is None or not plan.checkpointed:
+            return []
+        reference = self.reference(plan)
+        device = device_of(self.model, self.inputs)
+        exact = device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
+        differ = [] if reference is None else reference.differences(summary, exact=exact)
+        if not differ:
+            same = "bit for bit" if exact else "within the tolerance of non-deterministic kernels"
+            note = f"Verified: loss, gradients and buffers equal {self.findings.compared_with} ({same})."
+            if note not in self.findings.notes:
+                self.findings.notes.append(note)
+        return differ
+
+
+def policies_of(plan: Plan) -> str:
+    counts: dict[str, int] = {}
+    for policy in plan.assignment.values():
+        counts[policy] = counts.get(policy, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in counts.items())
+
+
+def _spans(plan: Plan) -> str:
+    return ", ".join(f"{a}..{b}" for a, b in plan.segments)
+
+
+def _what(differ: list[str]) -> str:
+    kinds = ["loss" if d == "loss" else d.partition(":")[0] + "s" for d in differ]
+    return " and ".join(dict.fromkeys(k.replace("grads", "gradients") for k in kinds))
