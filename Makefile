@@ -8,9 +8,8 @@ TORCH ?= torch==2.13.0
 
 # The compatibility lane: the newest torch remat declares, from PyPI (its CUDA build, which runs on
 # CPU), with the oldest transformers it declares, in a venv of its own beside the main one.
-# Default COMPAT_TESTS: the four directories in full (hours on a loaded 2-core machine; four fake-H100
-# Llama profiles fail there). CI (.ci/run) runs the subset verified green and fast enough; docs/drop-in.md
-# "Versions tested" lists both, with results and times.
+# COMPAT_TESTS: the four directories in full, as CI (.ci/run) runs them; docs/drop-in.md "Versions tested"
+# has the results and times.
 COMPAT_VENV := .venv-compat
 COMPAT_BIN := $(COMPAT_VENV)/bin
 COMPAT_TORCH ?= torch==2.14.1

@@ -142,7 +142,12 @@ def widen(prof: Profile, short: list[str], full: list[str]) -> Profile | None:
     owned = [(i, key) for i in range(-1, n) for g in (fwd_groups, bwd_groups) for key in g.get(_src(i, source), [])]
     try:
         segments = {policy: {mover(i)(key): costs[key] for i, key in owned} for policy, costs in prof.segments.items()}
-        crossings = [_moved_crossing(c, mover(i)) for c in prof.crossings for i in _copies(c, where, source)]
+        crossings = []
+        for c in prof.crossings:
+            if _to_every_block(c, where, m):  # NOTE [Identical blocks are profiled once] in _repeated_blocks
+                crossings.append(_broadcast(c, mover(0), where, groups, source))
+            else:
+                crossings += [_moved_crossing(c, mover(i)) for i in _copies(c, where, source)]
         recomputes = [
             replace(r, block=full[i], at={p: mover(i)(k) for p, k in r.at.items()})
             for r in prof.recomputes
@@ -229,5 +234,31 @@ def _moved_crossing(c: Crossing, move: Callable[[Key], Key]) -> Crossing:
         c,
         producer=None if c.producer is None else move(c.producer),
         receivers=tuple(move(k) for k in c.receivers),
+        freed={p: None if k is None else move(k) for p, k in c.freed.items()},
+    )
+
+
+def _to_every_block(c: Crossing, where: dict[Key, tuple[str, int, int]], m: int) -> bool:
+    """A storage the glue made and handed to every block of the short chain, once each (a mask, rotary tables)."""
+    return c.producer is None and sorted(where[k][1] for k in c.receivers) == list(range(m))
+
+
+def _broadcast(
+    c: Crossing,
+    move: Callable[[Key], Key],
+    where: dict[Key, tuple[str, int, int]],
+    groups: dict[str, dict[int, list[Key]]],
+    source: list[int],
+) -> Crossing:
+    """A storage handed to every block, handed to every block of the full chain: each receives it where its
+    source block did."""
+    received = {where[k][1]: where[k] for k in c.receivers}
+    receivers = []
+    for i, s in enumerate(source):
+        phase, _, j = received[s]
+        receivers.append(groups[phase][i][j])
+    return replace(
+        c,
+        receivers=tuple(receivers),
         freed={p: None if k is None else move(k) for p, k in c.freed.items()},
     )

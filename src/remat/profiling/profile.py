@@ -213,11 +213,34 @@ def _run(
 
         spec = target if isinstance(target, Target) else get_target(target or "cpu")
         with spent("fake profile"):
+            short = _short_fake_profile(model, inputs, loss_fn, names, policies, spec, loop)
+            if short is not None:
+                return short
             return run_fake_profile(model, inputs, loss_fn, names=names, policies=policies, target=spec, loop=loop)
     with spent("real profile"):
         return run_profile(
             model, inputs, loss_fn, names=names, policies=policies, warmup=warmup, repeat=repeat, loop=loop
         )
+
+
+def _short_fake_profile(
+    model: Any, inputs: Any, loss_fn: Any, names: list[str], policies: tuple[str, ...], target: Any, loop: Loop
+) -> Profile | None:
+    """The fake profile of a short stack of alike blocks, widened (NOTE [Identical blocks are profiled once]);
+    None where that does not apply."""
+    from remat.profiling._fake import run_fake_profile
+    from remat.profiling._repeated_blocks import short_stack, widened
+
+    modules = dict(model.named_modules())
+    blocks = [modules[n] for n in names]
+    with short_stack(model, names, loop) as short:
+        if short is None:
+            return None
+        try:
+            prof = run_fake_profile(model, inputs, loss_fn, names=short, policies=policies, target=target, loop=loop)
+        except Exception:  # noqa: BLE001  # a forward that needs all its blocks: the whole model is profiled
+            return None
+    return widened(prof, short, names, blocks[len(short) - 1 : -1])
 
 
 # NOTE [A profile that runs out of memory says how much it needs]

@@ -1,0 +1,138 @@
+"""Identical module blocks on fake tensors: a short stack profiled, the profile widened to all of them.
+
+NOTE [Identical blocks are profiled once]
+A fake profile costs per op (FakeTensorMode's dispatch, about 75 us an op), and it traces one
+whole step per policy, so on a 16-layer Llama it is most of ``remat.auto``'s time, yet every
+middle layer costs what the others do. When the blocks are all the children of one
+``ModuleList`` or ``Sequential``, at least ``MIDDLE + 3`` of them, and alike (same classes,
+parameter and buffer shapes, dtypes and flags, the same plain attributes but for a layer index,
+the same hooks), a fake profile runs a short stack instead: the container holds the first
+``MIDDLE + 1`` blocks and the last while the profile runs, and the profile is widened to the
+whole stack as a traced chain is (NOTE [Identical segments are profiled once] in
+``remat.profiling._traced_repeat``); a storage the parent hands to every block (a mask, rotary
+tables) is handed to every block of the widened profile. The parameters the short stack left out
+are added to the resting, parameter and gradient bytes. The short stack is used only where
+
+* it is a fake profile with neither an optimizer nor gradient accumulation (their state is made
+  on the parameters the step sees), and no parameter is shared between blocks;
+* its middle blocks cost the same in every policy (a layer type chosen by index shows there);
+* the widening places every record (else, or if the short forward fails, the whole model is
+  profiled, as before).
+
+Real profiles measure every block: they are only run where the step fits, and are then cheap.
+A plan is verified on the whole model (NOTE [Verify when it can] in ``remat.planning._verify``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+
+from torch import nn
+
+from remat.core._loop import Loop
+from remat.core._memtrack import storage_bytes, tensor_bytes
+from remat.core._state import uninterrupted
+from remat.profiling._traced_repeat import MIDDLE, widen
+from remat.profiling._types import Profile
+
+__all__ = ["short_stack", "widened"]
+
+#: Attributes that number a block and change neither its memory nor its time.
+_INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx", "index"})
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What a block is, its layer index aside: two blocks with one signature run the same ops on the same shapes."""
+    out = []
+    for name, m in block.named_modules():
+        attrs = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(m).items()
+                if not k.startswith("_") and k not in _INDEX_NAMES and isinstance(v, _PLAIN)
+            )
+        )
+        hooks = tuple(len(h) for h in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks))
+        tensors = tuple(
+            (k, None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, t.device.type))
+            for store in (m._parameters, m._buffers)
+            for k, t in store.items()
+        )
+        out.append((name, type(m), m.training, "forward" in vars(m), attrs, hooks, tensors))
+    return tuple(out)
+
+
+def _container(model: nn.Module, names: list[str]) -> nn.Module | None:
+    """The ModuleList or Sequential whose children, in order, are exactly the blocks ``names``."""
+    prefix = names[0].rpartition(".")[0]
+    if names != [f"{prefix}.{k}" if prefix else str(k) for k in range(len(names))]:
+        return None
+    container = model.get_submodule(prefix) if prefix else model
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or list(container._modules) != [
+        str(k) for k in range(len(names))
+    ]:
+        return None
+    return container
+
+
+def _alike(blocks: list[nn.Module]) -> bool:
+    first = _signature(blocks[0])
+    if any(_signature(b) != first for b in blocks[1:]):
+        return False
+    ids = [id(p) for b in blocks for _, p in b.named_parameters(remove_duplicate=False)]
+    return len(ids) == len(set(ids))
+
+
+@contextlib.contextmanager
+def short_stack(model: nn.Module, names: list[str], loop: Loop) -> Iterator[list[str] | None]:
+    """The blocks of a short stack while the container holds only them (None: profile the whole model)."""
+    n = len(names)
+    container = _container(model, names) if n >= MIDDLE + 3 and loop.optimizer is None else None
+    if container is None or loop.accumulation_steps != 1:
+        yield None
+        return
+    blocks = list(container._modules.values())
+    if not all(isinstance(b, nn.Module) for b in blocks) or not _alike(blocks):  # type: ignore[arg-type]
+        yield None
+        return
+    kept = [*blocks[: MIDDLE + 1], blocks[-1]]
+    original = container._modules
+    prefix = names[0].rpartition(".")[0]
+    with uninterrupted():
+        container._modules = {str(k): b for k, b in enumerate(kept)}
+    try:
+        yield [f"{prefix}.{k}" if prefix else str(k) for k in range(len(kept))]
+    finally:
+        with uninterrupted():
+            container._modules = original
+
+
+def _middles_alike(prof: Profile) -> bool:
+    middles = [replace(b, name="") for b in prof.blocks[1 : MIDDLE + 1]]
+    return all(b == middles[0] for b in middles[1:])
+
+
+def widened(prof: Profile, short: list[str], full: list[str], left_out: list[nn.Module]) -> Profile | None:
+    """The short stack's profile as the whole model's, with the left-out blocks' parameters counted (None: it
+    cannot be widened, and the whole model is profiled)."""
+    if not _middles_alike(prof):
+        return None
+    wide = widen(prof, short, full)
+    if wide is None:
+        return None
+    tensors = [t for b in left_out for t in (*b.parameters(), *b.buffers())]
+    trainable = [p for b in left_out for p in b.parameters() if p.requires_grad]
+    note = (
+        f"The {len(full)} blocks are alike: profiled on a stack of {len(short)} (the first {len(short) - 1} and the "
+        "last), the others take a middle one's costs (NOTE [Identical blocks are profiled once])."
+    )
+    return replace(
+        wide,
+        resting_bytes=wide.resting_bytes + storage_bytes(tensors),
+        param_bytes=wide.param_bytes + storage_bytes([p for b in left_out for p in b.parameters()]),
+        grad_bytes=wide.grad_bytes + sum(tensor_bytes(p) for p in trainable),
+        notes=[*prof.notes, note],
+    )
