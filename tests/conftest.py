@@ -82,6 +82,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _python_handles_ctrl_c():
+    # A shell starts a background job with SIGINT ignored, and Python then installs no handler of its own; the
+    # Ctrl-C tests stand for a user at a terminal, whose Python has its default handler.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
