@@ -36,7 +36,7 @@ import torch
 import remat
 from remat.core._costs import Costs, costs
 from remat.core._step import input_tensors, training_step
-from remat.planning import _verify
+from remat.planning import _candidates
 from remat.profiling._format import human_bytes
 from remat.zoo import build
 
@@ -88,55 +88,39 @@ def _auto(zoo, budget: int) -> remat.Plan:
 
 def _own_peak(zoo, budget: int) -> tuple[int, remat.Plan, int]:
     """(the most bytes alive during one auto call, the plan, real steps it verified with)."""
-    steps, measured = [0], _verify._measured
+    steps, measured = [0], _candidates.measured_step
 
     def counting(*args, **kwargs):
         steps[0] += 1
         return measured(*args, **kwargs)
 
     device = SimulatedDevice(1 << 60, [*zoo.model.parameters(), *zoo.model.buffers(), *input_tensors(zoo.inputs)])
-    _verify._measured = counting
+    _candidates.measured_step = counting
     try:
         with device:
             plan = _auto(zoo, budget)
     finally:
-        _verify._measured = measured
+        _candidates.measured_step = measured
     return device.peak, plan, steps[0]
 
 
-def _times(zoo, budget: int, rounds: int) -> tuple[float, float, Costs]:
-    """Medians of (one step without checkpointing, one auto call), timed in alternation; the last call's phases."""
-    training_step(zoo.model, zoo.inputs, zoo.loss_fn)  # warm-up, outside the rounds
-    zoo.model.zero_grad(set_to_none=True)
-    steps, autos = [], []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        training_step(zoo.model, zoo.inputs, zoo.loss_fn)
-        steps.append(time.perf_counter() - start)
-        zoo.model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        with costs("remat.auto") as ledger:
-            _auto(zoo, budget)
-        autos.append(time.perf_counter() - start)
-    return statistics.median(steps), statistics.median(autos), ledger
-
-
-def _cpu_times(zoo, budget: int, rounds: int) -> tuple[float, float, Costs, remat.Plan]:
-    """Medians of (one step without checkpointing, one auto call) in CPU time, after a warm-up of each; the
-    last call's phases and plan."""
+def _times(zoo, budget: int, rounds: int, clock=time.perf_counter, warm_auto: bool = False):
+    """Medians of (one step without checkpointing, one auto call) on ``clock``, timed in alternation after a
+    warm-up step (and a warm-up auto call with ``warm_auto``); the last call's phases and plan."""
     training_step(zoo.model, zoo.inputs, zoo.loss_fn)
     zoo.model.zero_grad(set_to_none=True)
-    _auto(zoo, budget)
+    if warm_auto:
+        _auto(zoo, budget)
     steps, autos = [], []
     for _ in range(rounds):
-        start = time.process_time()
+        start = clock()
         training_step(zoo.model, zoo.inputs, zoo.loss_fn)
-        steps.append(time.process_time() - start)
+        steps.append(clock() - start)
         zoo.model.zero_grad(set_to_none=True)
-        start = time.process_time()
+        start = clock()
         with costs("remat.auto") as ledger:
             plan = _auto(zoo, budget)
-        autos.append(time.process_time() - start)
+        autos.append(clock() - start)
     return statistics.median(steps), statistics.median(autos), ledger, plan
 
 
@@ -155,7 +139,7 @@ def cpu_rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
         keep = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
         for fraction in budgets:
             torch.manual_seed(0)
-            step_s, auto_s, ledger, plan = _cpu_times(zoo, int(fraction * keep), rounds)
+            step_s, auto_s, ledger, plan = _times(zoo, int(fraction * keep), rounds, time.process_time, warm_auto=True)
             lines.append(
                 f"| {name} | {fraction} | {step_s * 1e3:.0f} ms | {auto_s:.2f} s | {auto_s / step_s:.1f} | "
                 f"{_where(ledger)} | {_policies(plan)} |"
@@ -184,7 +168,7 @@ def rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
             budget = int(fraction * keep)
             torch.manual_seed(0)
             own, plan, verified = _own_peak(zoo, budget)
-            step_s, auto_s, ledger = _times(zoo, budget, rounds)
+            step_s, auto_s, ledger, _ = _times(zoo, budget, rounds)
             lines.append(
                 f"| {name} | {fraction} ({human_bytes(budget)}) | {human_bytes(keep)} | {human_bytes(own)} | "
                 f"{'yes' if own <= budget else 'NO'} | {auto_s / step_s:.1f} | {step_s * 1e3:.0f} ms | "
