@@ -65,15 +65,13 @@ def _signature(block: nn.Module) -> tuple:
     return tuple(out)
 
 
-def _container(model: nn.Module, names: list[str]) -> nn.Module | None:
-    """The ModuleList or Sequential whose children, in order, are exactly the blocks ``names``."""
-    prefix = names[0].rpartition(".")[0]
-    if names != [f"{prefix}.{k}" if prefix else str(k) for k in range(len(names))]:
+def _container(model: nn.Module, names: list[str], prefix: str) -> nn.Module | None:
+    """The ModuleList or Sequential under ``prefix`` whose children, in order, are exactly the blocks ``names``."""
+    keys = [str(k) for k in range(len(names))]
+    if names != [f"{prefix}.{k}" if prefix else k for k in keys]:
         return None
     container = model.get_submodule(prefix) if prefix else model
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or list(container._modules) != [
-        str(k) for k in range(len(names))
-    ]:
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)) or list(container._modules) != keys:
         return None
     return container
 
@@ -87,24 +85,22 @@ def _alike(blocks: list[nn.Module]) -> bool:
 
 
 @contextlib.contextmanager
-def short_stack(model: nn.Module, names: list[str], loop: Loop) -> Iterator[list[str] | None]:
-    """The blocks of a short stack while the container holds only them (None: profile the whole model)."""
-    n = len(names)
-    container = _container(model, names) if n >= MIDDLE + 3 and loop.optimizer is None else None
-    if container is None or loop.accumulation_steps != 1:
-        yield None
-        return
-    blocks = list(container._modules.values())
-    if not all(isinstance(b, nn.Module) for b in blocks) or not _alike(blocks):  # type: ignore[arg-type]
+def short_stack(model: nn.Module, names: list[str], loop: Loop) -> Iterator[tuple[list[str], list[nn.Module]] | None]:
+    """(the blocks of a short stack, the blocks it leaves out) while the container holds only the former; None:
+    profile the whole model."""
+    prefix = names[0].rpartition(".")[0]
+    plain_step = loop.optimizer is None and loop.accumulation_steps == 1
+    container = _container(model, names, prefix) if len(names) >= MIDDLE + 3 and plain_step else None
+    blocks = [] if container is None else [b for b in container._modules.values() if b is not None]
+    if container is None or len(blocks) != len(names) or not _alike(blocks):
         yield None
         return
     kept = [*blocks[: MIDDLE + 1], blocks[-1]]
     original = container._modules
-    prefix = names[0].rpartition(".")[0]
     with uninterrupted():
         container._modules = {str(k): b for k, b in enumerate(kept)}
     try:
-        yield [f"{prefix}.{k}" if prefix else str(k) for k in range(len(kept))]
+        yield [f"{prefix}.{k}" if prefix else str(k) for k in range(len(kept))], blocks[MIDDLE + 1 : -1]
     finally:
         with uninterrupted():
             container._modules = original
@@ -123,16 +119,16 @@ def widened(prof: Profile, short: list[str], full: list[str], left_out: list[nn.
     wide = widen(prof, short, full)
     if wide is None:
         return None
-    tensors = [t for b in left_out for t in (*b.parameters(), *b.buffers())]
-    trainable = [p for b in left_out for p in b.parameters() if p.requires_grad]
+    params = [p for b in left_out for p in b.parameters()]
+    buffers = [t for b in left_out for t in b.buffers()]
     note = (
         f"The {len(full)} blocks are alike: profiled on a stack of {len(short)} (the first {len(short) - 1} and the "
         "last), the others take a middle one's costs (NOTE [Identical blocks are profiled once])."
     )
     return replace(
         wide,
-        resting_bytes=wide.resting_bytes + storage_bytes(tensors),
-        param_bytes=wide.param_bytes + storage_bytes([p for b in left_out for p in b.parameters()]),
-        grad_bytes=wide.grad_bytes + sum(tensor_bytes(p) for p in trainable),
+        resting_bytes=wide.resting_bytes + storage_bytes([*params, *buffers]),
+        param_bytes=wide.param_bytes + storage_bytes(params),
+        grad_bytes=wide.grad_bytes + sum(tensor_bytes(p) for p in params if p.requires_grad),
         notes=[*prof.notes, note],
     )

@@ -234,8 +234,12 @@ def _moved_crossing(c: Crossing, move: Callable[[Key], Key]) -> Crossing:
         c,
         producer=None if c.producer is None else move(c.producer),
         receivers=tuple(move(k) for k in c.receivers),
-        freed={p: None if k is None else move(k) for p, k in c.freed.items()},
+        freed=_moved_freed(c, move),
     )
+
+
+def _moved_freed(c: Crossing, move: Callable[[Key], Key]) -> dict[str, Key | None]:
+    return {p: None if k is None else move(k) for p, k in c.freed.items()}
 
 
 def _to_every_block(c: Crossing, where: dict[Key, tuple[str, int, int]], m: int) -> bool:
@@ -257,8 +261,4 @@ def _broadcast(
     for i, s in enumerate(source):
         phase, _, j = received[s]
         receivers.append(groups[phase][i][j])
-    return replace(
-        c,
-        receivers=tuple(receivers),
-        freed={p: None if k is None else move(k) for p, k in c.freed.items()},
-    )
+    return replace(c, receivers=tuple(receivers), freed=_moved_freed(c, move))

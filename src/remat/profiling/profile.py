@@ -231,16 +231,15 @@ def _short_fake_profile(
     from remat.profiling._fake import run_fake_profile
     from remat.profiling._repeated_blocks import short_stack, widened
 
-    modules = dict(model.named_modules())
-    blocks = [modules[n] for n in names]
-    with short_stack(model, names, loop) as short:
-        if short is None:
+    with short_stack(model, names, loop) as stack:
+        if stack is None:
             return None
+        short, left_out = stack
         try:
             prof = run_fake_profile(model, inputs, loss_fn, names=short, policies=policies, target=target, loop=loop)
         except Exception:  # noqa: BLE001  # a forward that needs all its blocks: the whole model is profiled
             return None
-    return widened(prof, short, names, blocks[len(short) - 1 : -1])
+    return widened(prof, short, names, left_out)
 
 
 # NOTE [A profile that runs out of memory says how much it needs]
