@@ -19,6 +19,10 @@ Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
 of each; on one thread a loaded machine slows both alike, which wall time does not promise), and prints a
 table of auto's time in steps without the peaks; ``--write`` does not apply to it.
 
+``--scale`` times the same calls in CPU time for GPT-2 and Llama at 1, 2 and 4 times the width and sequence
+length of ``SIZES`` (same layers and batch): a fake step costs per op, not per byte, so auto's cost in steps
+falls as the step grows.
+
 ``--write`` puts the table into BENCHMARKS.md between this script's markers (``benchmarks/_sections.py``).
 """
 
@@ -148,6 +152,40 @@ def cpu_rows(sizes: dict, budgets: tuple[float, ...], rounds: int) -> list[str]:
     return lines
 
 
+#: The width and length factors of ``--scale``.
+FACTORS = (1, 2, 4)
+
+
+def scaled(name: str, factor: int) -> dict:
+    """``SIZES[name]`` with its width, MLP width and sequence length times ``factor``."""
+    options = dict(SIZES[name])
+    for key in ("hidden", "intermediate", "seq"):
+        if key in options:
+            options[key] *= factor
+    return options
+
+
+def scale_rows(names: list[str], budgets: tuple[float, ...], rounds: int) -> list[str]:
+    lines = [
+        "| model | hidden x seq | budget | one step (CPU) | auto (CPU) | auto, in steps | where auto's time goes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        for factor in FACTORS:
+            options = scaled(name, factor)
+            zoo = build(name, **options)
+            keep = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
+            for fraction in budgets:
+                torch.manual_seed(0)
+                step_s, auto_s, ledger, _ = _times(zoo, int(fraction * keep), rounds, time.process_time, True)
+                lines.append(
+                    f"| {name} | {options['hidden']} x {options['seq']} | {fraction} | {step_s * 1e3:.0f} ms | "
+                    f"{auto_s:.2f} s | {auto_s / step_s:.1f} | {_where(ledger)} |"
+                )
+                print(lines[-1], flush=True)
+    return lines
+
+
 def _where(ledger: Costs) -> str:
     """The phases that took a tenth of the call or more, with their shares."""
     total = ledger.total()
@@ -189,10 +227,14 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(SIZES), help="comma-separated zoo models")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     parser.add_argument("--cpu", action="store_true", help="auto and a step in CPU time (set OMP_NUM_THREADS=1)")
+    parser.add_argument("--scale", action="store_true", help="--cpu for GPT-2 and Llama at growing widths")
     args = parser.parse_args()
     table = QUICK if args.quick else SIZES
     sizes = {m: table[m] for m in args.models.split(",")}
     print(f"# {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.scale:
+        scale_rows([m for m in args.models.split(",") if m in ("gpt2", "llama")], (0.8, 0.6), args.rounds)
+        return
     if args.cpu:
         cpu_rows(sizes, (0.8, 0.6), args.rounds)
         return

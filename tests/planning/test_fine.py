@@ -181,12 +181,14 @@ def test_auto_plans_full_fine_only_when_no_other_plan_reaches_the_budget(monkeyp
     import remat.planning._within as within_module
     import remat.planning.apply as apply_module
 
-    calls = []
+    calls, traced = [], []
     profile = apply_module.make_profile
 
     def counting(*args, **kwargs):
         calls.append(tuple(kwargs.get("policies", ("keep", "selective", "full"))))
-        return profile(*args, **kwargs)
+        made = profile(*args, **kwargs)
+        traced.append(made.policies)
+        return made
 
     monkeypatch.setattr(apply_module, "make_profile", counting)
     monkeypatch.setattr(within_module, "make_profile", counting)
@@ -204,9 +206,19 @@ def test_auto_plans_full_fine_only_when_no_other_plan_reaches_the_budget(monkeyp
     assert any("full-fine" in note for note in plan.notes)
     remat.remove(zoo.model)
     calls.clear()
+    traced.clear()
     plan = remat.auto(zoo.model, zoo.inputs, coarse_floor + 4096, repeat=1)  # reachable: the default policies
     assert len(calls) == 1 and "full-fine" not in plan.assignment.values()
     assert not any("full-fine" in note for note in plan.notes)
+    assert "full-fine" in traced[0]  # near the floor it was traced all the same (NOTE [A policy traced only when
+    remat.remove(zoo.model)  # wanted]): verification may measure a little above the prediction
+    calls.clear()
+    traced.clear()
+    roomy = int(coarse_floor / 0.8)
+    assert roomy < fine.baseline_peak_bytes  # still planned on fake tensors
+    plan = remat.auto(zoo.model, zoo.inputs, roomy, repeat=1)
+    assert len(calls) == 1 and "full-fine" in calls[0] and "full-fine" not in traced[0]  # the step not traced
+    assert plan.measured_peak_bytes <= roomy
     remat.remove(zoo.model)
     with pytest.raises(remat.RematError, match="full-fine"):
         remat.plan(remat.profile(zoo.model, zoo.inputs, repeat=1), budget)  # the plain planner says how

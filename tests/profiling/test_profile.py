@@ -291,18 +291,32 @@ def test_the_traced_step_is_the_first_warmup(warmup, untimed, policies, caplog):
     assert (f"{len(policies) * untimed} warm-up steps" in line) == (untimed > 0)
 
 
-def test_collections_during_a_profile_leave_the_heap_as_it_was():
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_collections_during_a_profile_leave_the_heap_as_it_was(full):
     import gc
+    import weakref
 
     from remat.profiling._schedule import young_collections
 
-    with young_collections():
+    old = _Cycle()
+    gone = weakref.ref(old)
+    del old  # garbage from before the profile, in a cycle
+    with young_collections(full=full):
         assert gc.get_freeze_count() > 0  # the heap before the profile is not walked again
+        gc.collect()  # what a traced step does: the frozen heap is not looked at
+        assert (gone() is None) == full  # the full collection only where garbage may hold device memory
     assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None  # unfrozen, it is collected as before
     gc.freeze()  # a caller's own frozen objects stay frozen
     try:
         frozen = gc.get_freeze_count()
-        with young_collections():
+        with young_collections(full=full):
             pass
         assert gc.get_freeze_count() == frozen
     finally:

@@ -154,3 +154,28 @@ def test_a_loop_with_an_optimizer_profiles_every_block():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     prof = remat.profile(model, x, fake=True, optimizer=optimizer)
     assert not any(NOTE in n for n in prof.notes)
+
+
+def test_a_policy_traced_only_when_wanted_is_asked_of_the_whole_models_profile():
+    # NOTE [A policy traced only when wanted]: the test sees the widened profile, all 8 blocks, not the stack of 5
+    from remat.profiling._schedule import traced_only_if
+
+    torch.manual_seed(0)
+    model, x = _Stack(layers=8), torch.randn(2, 6, 16)
+    policies = ("keep", "full", "full-fine")
+    seen = []
+
+    def never(prof):
+        seen.append(len(prof.blocks))
+        return False
+
+    with traced_only_if("full-fine", never):
+        coarse = remat.profile(model, x, fake=True, policies=policies)
+    assert seen == [8] and coarse.policies == ("keep", "full")
+    assert any(NOTE in note for note in coarse.notes)  # profiled on the short stack
+    with traced_only_if("full-fine", lambda prof: True):
+        wanted = remat.profile(model, x, fake=True, policies=policies)
+    whole = remat.profile(model, x, fake=True, policies=policies)
+    assert wanted.policies == whole.policies == policies
+    assert wanted.segments == whole.segments and wanted.blocks == whole.blocks
+    assert coarse.segments == {p: whole.segments[p] for p in coarse.policies}

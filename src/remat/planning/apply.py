@@ -33,7 +33,8 @@ from remat.planning._within import device_target, profile_within
 from remat.planning.plan import Plan, parse_budget
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
-from remat.profiling._schedule import young_collections
+from remat.profiling._schedule import traced_only_if, young_collections
+from remat.profiling._types import Profile
 from remat.profiling.profile import profile as make_profile
 
 __all__ = ["apply", "auto", "device_target", "remove"]
@@ -126,9 +127,16 @@ def auto(
     model is profiled and verified eagerly (the module it wraps, which gets the plan); its
     next compiled call recompiles with the plan (NOTE [Under torch.compile]).
     """
-    # one full garbage collection, then the many before each step look only at what auto made
-    with costs("remat.auto"), young_collections():  # NOTE [Where the time goes]; [A garbage collection per traced step]
+    # the collections before each step look only at what auto made (NOTE [A garbage collection per traced step])
+    with costs("remat.auto"), young_collections(full=_on_a_gpu(model)):  # NOTE [Where the time goes]
         return _auto(model, inputs, budget, loss_fn, verify, compiled, profile_options)
+
+
+def _on_a_gpu(model: Any) -> bool:
+    """Whether ``model`` holds GPU memory (anything else is checked, and refused, inside auto)."""
+    if not isinstance(model, nn.Module):
+        return False
+    return any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
 
 
 def _auto(
@@ -187,7 +195,10 @@ def _auto(
 # budget]) traces ``full-fine`` from the start: one traced step more and no timed
 # rounds, where profiling again would trace every policy again; auto still plans on the
 # default policies first (``_coarse``), and a budget above the fake profile's peak
-# without checkpointing is profiled for real as before, without ``full-fine``.
+# without checkpointing is profiled for real as before, without ``full-fine``. Even there it traces
+# ``full-fine`` last, and only where the other policies' lowest peak is above FINER_ABOVE of the
+# budget (NOTE [A policy traced only when wanted]): a fifth of the fake profile saved for the
+# budgets those policies reach.
 
 
 def _coarse(prof: Any, profile_options: dict) -> Any:
@@ -207,10 +218,28 @@ def _profile(
     [Finer only when needed])."""
     if not fit:
         return make_profile(model, inputs, loss_fn, **options)
-    fake_options = {"policies": (*POLICIES, FINE)} if finer and _may_go_finer(model, None, None, options) else {}
-    return profile_within(
-        model, inputs, loss_fn, budget, api="remat.auto", options=options, fake_options=fake_options
-    ).profile
+    if not (finer and _may_go_finer(model, None, None, options)):
+        return profile_within(model, inputs, loss_fn, budget, api="remat.auto", options=options).profile
+    # NOTE [A policy traced only when wanted] in remat.profiling._schedule
+    with traced_only_if(FINE, lambda coarse: _needs_finer(coarse, budget)):
+        return profile_within(
+            model, inputs, loss_fn, budget, api="remat.auto", options=options, fake_options={"policies": FINEST}
+        ).profile
+
+
+#: The policies auto's fake profile may trace: the default ones, and ``full-fine`` last when wanted.
+FINEST = (*POLICIES, FINE)
+
+#: ``full-fine`` is traced ahead where the lowest peak of the other policies' plans is above this share of the
+#: budget: the real steps of verification may measure a little above the prediction (NOTE [Finer only when needed]).
+FINER_ABOVE = 0.9
+
+
+def _needs_finer(coarse: Profile, budget: Any) -> bool:
+    """Whether the plans of ``coarse``'s policies may not reach ``budget`` (NOTE [Finer only when needed])."""
+    with spent("planning"):
+        floor = make_plan(coarse, strategy="none").min_peak_bytes
+    return floor > FINER_ABOVE * parse_budget(budget, coarse.baseline_peak_bytes)
 
 
 def _plan_and_put(

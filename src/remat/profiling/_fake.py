@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from remat.errors import RematError
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
 from remat.profiling._profile_run import Ledger, _assemble, _Policies, traced_step
-from remat.profiling._schedule import learn_structure, trace_schedule, young_collections
+from remat.profiling._schedule import learn_structure, trace_schedule, traced_if, young_collections
 from remat.profiling._shadow import ValueShadows
 from remat.profiling._trace import Segment
 from remat.profiling._types import Profile
@@ -140,7 +140,9 @@ def _trace(
     target: Target,
     gpu_path: bool,
     loop: Loop,
+    wanted: Callable[[_Traced], bool] | None = None,
 ) -> _Traced:
+    """``wanted``: the test of NOTE [A policy traced only when wanted] on what was traced before that policy."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows(layouts=True)  # NOTE [Output layouts of the device's kernels]
 
@@ -169,9 +171,15 @@ def _trace(
         _FakeWeights(model, mode, loop.optimizer),
         cache_disabled(model),
         _target_kernels(target, gpu_path),
-        young_collections(),
+        young_collections(full=False),  # fake tensors hold no device memory
     ):
-        for policy, run_as, learn in trace_schedule(policies):
+        later = traced_if()
+        for policy, run_as, learn in _last(trace_schedule(policies), later[0] if later else None):
+            if later is not None and wanted is not None and policy == later[0]:
+                kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
+                with spent("fake profile"):
+                    if not wanted((traced, io_bytes, fake_inputs, ledgers, kept)):
+                        continue
             switch.set(run_as)
             with mode, shadows:
                 if learn:
@@ -184,7 +192,12 @@ def _trace(
                     )
             io_bytes = io_bytes or io
         kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
-        return {p: traced[p] for p in policies}, io_bytes, fake_inputs, ledgers, kept
+        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_inputs, ledgers, kept
+
+
+def _last(schedule: list[tuple[str, str, bool]], policy: str | None) -> list[tuple[str, str, bool]]:
+    """``schedule`` with ``policy``'s step moved last (NOTE [A policy traced only when wanted])."""
+    return [s for s in schedule if s[0] != policy] + [s for s in schedule if s[0] == policy]
 
 
 def run_fake_profile(
@@ -207,47 +220,50 @@ def run_fake_profile(
         torch.set_rng_state(rng)
 
     grads = InputGrads(inputs)  # a loss_fn that reads a real input reaches it even here
-    notes = []
+    notes: list[str] = []
+    extra = target.cuda.persistent_bytes if target.cuda is not None else 0
+    if extra and target.cuda is not None:
+        notes.append(
+            f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
+            f"allocated ({target.cuda.source})."
+        )
+
+    def assemble(run: _Traced) -> Profile:
+        traced, io_bytes, fake_inputs, ledgers, kept = run
+        return _assemble(
+            model,
+            fake_inputs,
+            names,
+            [p for p in policies if p in traced],
+            traced,
+            io_bytes,
+            {},
+            [],
+            fake=True,
+            target=target.name,
+            device=f"{target.name} (fake)",
+            extra_resting=extra,
+            notes=notes,
+            crossings=ledgers,
+            loop=loop,
+            loop_bytes=kept,
+        )
+
+    later = traced_if()
+    wanted = None if later is None else lambda run: later[1](assemble(run))
     with restoring("remat.profile", restore, grads.restore):
         try:
             try:
-                traced, io_bytes, fake_inputs, ledgers, kept = _trace(
-                    model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop
-                )
+                run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop, wanted=wanted)
             except DataDependentOutputException:
                 # A value the shadows do not know (computed from weights, say): the library's own
                 # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
-                traced, io_bytes, fake_inputs, ledgers, kept = _trace(
-                    model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop
-                )
+                run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop, wanted=wanted)
                 notes.append(
                     "fake run: the model's forward reads tensor values, so transformers took its tracing "
                     "path (explicit masks, repeated K/V heads), which a GPU step does not take."
                 )
-            extra = target.cuda.persistent_bytes if target.cuda is not None else 0
-            if extra and target.cuda is not None:
-                notes.append(
-                    f"resting bytes include {extra / 2**20:.0f} MiB that {target.name}'s libraries keep "
-                    f"allocated ({target.cuda.source})."
-                )
-            return _assemble(
-                model,
-                fake_inputs,
-                names,
-                policies,
-                traced,
-                io_bytes,
-                {},
-                [],
-                fake=True,
-                target=target.name,
-                device=f"{target.name} (fake)",
-                extra_resting=extra,
-                notes=notes,
-                crossings=ledgers,
-                loop=loop,
-                loop_bytes=kept,
-            )
+            return assemble(run)
         except DataDependentOutputException as exc:
             raise RematError(
                 f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "

@@ -234,7 +234,7 @@ def run_profile(
     with (
         restoring("remat.profile", switch.restore, original.restore, optimizer_state.restore, grads.restore),
         cache_disabled(model),
-        young_collections(),
+        young_collections(full=cuda),
     ):
         if cuda:  # lazily made library workspaces (cuBLAS) belong to resting memory, not to a segment
             training_step(model, inputs, loss_fn)

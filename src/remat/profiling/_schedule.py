@@ -6,9 +6,10 @@ import gc
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -16,24 +17,35 @@ from remat.core._costs import spent
 from remat.core._policy_registry import SELECTIVE, SELECTIVE_OPS
 from remat.core._step import LossFn, training_step
 
+if TYPE_CHECKING:
+    from remat.profiling._types import Profile
+
 log = logging.getLogger("remat")
 
 
 @contextmanager
-def young_collections() -> Iterator[None]:
-    """Collect garbage once, then let the collections before every traced step look only at what the
-    profile itself made.
+def young_collections(*, full: bool) -> Iterator[None]:
+    """Let the garbage collections before every traced step look only at what the profile itself made;
+    with ``full``, collect everything once first.
 
     NOTE [A garbage collection per traced step]
     Each traced step starts with ``gc.collect()`` so that cyclic garbage of the previous step is gone
     before counting (and a collection is less likely to fire inside the step). On a process that
     imported ``transformers`` a full collection walks millions of objects, as long as a training step
-    of a small GPT. Freezing the heap that existed before the profile (after one full collection)
-    makes the later ones walk only the objects made since, a thousandth of that. Left alone when the
-    caller froze objects of its own, which unfreezing would release.
+    of a small GPT. Freezing the heap that existed before the profile makes the later ones walk only
+    the objects made since, a thousandth of that. Left alone when the caller froze objects of its
+    own, which unfreezing would release.
+
+    The one full collection before the freeze (``full``) matters only where the heap's garbage can
+    hold the memory the steps need: a model on a GPU, whose old cyclic garbage (the frames of a step
+    that ran out of memory) may hold device memory. On the CPU the steps are counted by the storages
+    they make, and fake tensors hold nothing, so garbage from before the call costs them nothing and
+    the collection (150 ms in such a process, 2-13 steps of the zoo models on this CPU) is skipped;
+    what was frozen goes back to the oldest generation afterwards, to be collected as it would have been.
     """
-    with spent("garbage collections"):
-        gc.collect()
+    if full:
+        with spent("garbage collections"):
+            gc.collect()
     if gc.get_freeze_count() > 0:
         yield
         return
@@ -110,3 +122,27 @@ def learn_structure(model: nn.Module, inputs: Any, loss_fn: LossFn | None) -> No
     """
     training_step(model, inputs, loss_fn)
     model.zero_grad(set_to_none=True)
+
+
+# NOTE [A policy traced only when wanted]
+# auto's fake profile (NOTE [Within the budget] in remat.planning._within) may need full-fine, which lowers the
+# floor, but only for budgets the other policies cannot reach (NOTE [Finer only when needed] in
+# remat.planning.apply). Tracing it for every budget costs a fifth of the fake profile; tracing it after the
+# fact would trace every policy again. So while auto asks for it here, the fake profile traces that policy last,
+# with the same fake weights and inputs, and only if the profile of the policies before it says the plan needs it.
+_ONLY_IF: ContextVar[tuple[str, Callable[[Profile], bool]] | None] = ContextVar("remat_traced_only_if", default=None)
+
+
+@contextmanager
+def traced_only_if(policy: str, wanted: Callable[[Profile], bool]) -> Iterator[None]:
+    """While it lasts, a fake profile traces ``policy`` last, and only if ``wanted(the profile of the others)``."""
+    token = _ONLY_IF.set((policy, wanted))
+    try:
+        yield
+    finally:
+        _ONLY_IF.reset(token)
+
+
+def traced_if() -> tuple[str, Callable[[Profile], bool]] | None:
+    """The policy a fake profile traces only when wanted, and the test, while :func:`traced_only_if` lasts."""
+    return _ONLY_IF.get()

@@ -6,6 +6,7 @@ The data it returns, and the peak model built on it, live in ``remat.profiling._
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
@@ -230,16 +231,32 @@ def _short_fake_profile(
     None where that does not apply."""
     from remat.profiling._fake import run_fake_profile
     from remat.profiling._repeated_blocks import short_stack, widened
+    from remat.profiling._schedule import traced_if, traced_only_if
 
     with short_stack(model, names, loop) as stack:
         if stack is None:
             return None
         short, left_out = stack
+        later = traced_if()
+        # NOTE [A policy traced only when wanted]: asked of the whole model's profile, not of the short stack's
+        wanted = (
+            contextlib.nullcontext()
+            if later is None
+            else traced_only_if(later[0], lambda p: _wanted_of(later[1], widened(p, short, names, left_out)))
+        )
         try:
-            prof = run_fake_profile(model, inputs, loss_fn, names=short, policies=policies, target=target, loop=loop)
+            with wanted:
+                prof = run_fake_profile(
+                    model, inputs, loss_fn, names=short, policies=policies, target=target, loop=loop
+                )
         except Exception:  # noqa: BLE001  # a forward that needs all its blocks: the whole model is profiled
             return None
     return widened(prof, short, names, left_out)
+
+
+def _wanted_of(wanted: Any, prof: Profile | None) -> bool:
+    """``wanted(prof)``; True where the short stack's profile cannot be widened (the policy is traced)."""
+    return True if prof is None else bool(wanted(prof))
 
 
 # NOTE [A profile that runs out of memory says how much it needs]
