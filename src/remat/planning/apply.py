@@ -237,8 +237,11 @@ FINER_ABOVE = 0.9
 
 def _needs_finer(coarse: Profile, budget: Any) -> bool:
     """Whether the plans of ``coarse``'s policies may not reach ``budget`` (NOTE [Finer only when needed])."""
-    with spent("planning"):
-        floor = make_plan(coarse, strategy="none").min_peak_bytes
+    try:
+        with spent("planning"):
+            floor = make_plan(coarse, strategy="none").min_peak_bytes
+    except RematError:  # no floor to compare with: trace it, as before this was asked
+        return True
     return floor > FINER_ABOVE * parse_budget(budget, coarse.baseline_peak_bytes)
 
 
