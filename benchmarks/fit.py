@@ -19,6 +19,9 @@ Per zoo model and budget (0.8 and 0.6 of the peak without checkpointing):
 of each; on one thread a loaded machine slows both alike, which wall time does not promise), and prints a
 table of auto's time in steps without the peaks; ``--write`` does not apply to it.
 
+``--defaults`` takes the zoo's default sizes instead (those of README's Results table, steps of about a second on
+this CPU).
+
 ``--scale`` times the same calls in CPU time for GPT-2 and Llama at 1, 2 and 4 times the width and sequence
 length of ``SIZES`` (same layers and batch): a fake step costs per op, not per byte, so auto's cost in steps
 falls as the step grows.
@@ -228,17 +231,20 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     parser.add_argument("--cpu", action="store_true", help="auto and a step in CPU time (set OMP_NUM_THREADS=1)")
     parser.add_argument("--scale", action="store_true", help="--cpu for GPT-2 and Llama at growing widths")
+    parser.add_argument("--defaults", action="store_true", help="the zoo's default sizes (README's Results table)")
+    parser.add_argument("--budgets", default="0.8,0.6", help="fractions of the peak without checkpointing")
     args = parser.parse_args()
     table = QUICK if args.quick else SIZES
-    sizes = {m: table[m] for m in args.models.split(",")}
+    sizes = {m: {} if args.defaults else table[m] for m in args.models.split(",")}
+    budgets = tuple(float(b) for b in args.budgets.split(","))
     print(f"# {platform.machine()} CPU, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     if args.scale:
-        scale_rows([m for m in args.models.split(",") if m in ("gpt2", "llama")], (0.8, 0.6), args.rounds)
+        scale_rows([m for m in args.models.split(",") if m in ("gpt2", "llama")], budgets, args.rounds)
         return
     if args.cpu:
-        cpu_rows(sizes, (0.8, 0.6), args.rounds)
+        cpu_rows(sizes, budgets, args.rounds)
         return
-    lines = rows(sizes, (0.8, 0.6), args.rounds)
+    lines = rows(sizes, budgets, args.rounds)
     if args.write:
         _write(lines)
 
