@@ -47,8 +47,8 @@ from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
 from remat.profiling._profile_run import Ledger, _assemble, _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, traced_if, young_collections
+from remat.profiling._segment import Segment
 from remat.profiling._shadow import ValueShadows
-from remat.profiling._trace import Segment
 from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
 from remat.profiling.targets import Target

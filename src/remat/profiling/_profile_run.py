@@ -27,7 +27,8 @@ from remat.core.measure import device_of, resting_tensors
 from remat.errors import RematError
 from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._schedule import Phases, learn_structure, trace_schedule, young_collections
-from remat.profiling._trace import OpCost, OpWorkspace, Segment, SegmentRecorder
+from remat.profiling._segment import Segment
+from remat.profiling._trace import OpCost, OpWorkspace, SegmentRecorder
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list], dict[str, set]]
@@ -118,7 +119,7 @@ def traced_step(
         recorder.segments,
         recorder.io_bytes,
         resting,
-        (recorder.crossings, recorder.recomputes, recorder.trajectories, recorder.output_reads),
+        (recorder.ledger.crossings, recorder.recomputes, recorder.trajectories, recorder.ledger.output_reads),
     )
 
 
