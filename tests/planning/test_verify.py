@@ -17,7 +17,7 @@ import remat
 from remat.core._segment import NotAChain
 from remat.planning import _verify_step as step_module
 from remat.planning import apply as apply_module
-from remat.profiling import _profile_run
+from remat.profiling import _assemble
 
 
 class Block(nn.Module):
@@ -137,7 +137,7 @@ def test_auto_compares_gradients_where_the_profile_missed_a_read(monkeypatch, ca
     # The profile's view of the parent is the first guard; the gradient comparison is the last.
     torch.manual_seed(0)
     model, x = Collects(), _x()
-    monkeypatch.setattr(_profile_run, "_unchained", lambda *args: ())
+    monkeypatch.setattr(_assemble, "_unchained", lambda *args: ())
     prof = remat.profile(model, x, repeat=1, warmup=0)
     nested_floor, one_level = _floors(prof)
     assert nested_floor < one_level

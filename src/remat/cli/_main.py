@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from remat.cli._bench import cmd_bench, cmd_max_batch
-from remat.cli._commands import _STRATEGY_HELP, OPTIMIZERS, cmd_doctor, cmd_plan, cmd_profile
+from remat.cli._commands import _STRATEGY_HELP, OPTIMIZERS, cmd_plan, cmd_profile
+from remat.cli._doctor import cmd_doctor
 from remat.cli._model import add_model_options
 from remat.cli._ui import Ui, error_line
 from remat.errors import RematError

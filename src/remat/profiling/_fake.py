@@ -43,12 +43,13 @@ from remat.core._state import restoring, uninterrupted
 from remat.core._step import InputGrads
 from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
+from remat.profiling._assemble import Ledger, assemble
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._profile_run import Ledger, _assemble, _Policies, traced_step
+from remat.profiling._profile_run import _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, traced_if, young_collections
+from remat.profiling._segment import Segment
 from remat.profiling._shadow import ValueShadows
-from remat.profiling._trace import Segment
 from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
 from remat.profiling.targets import Target
@@ -228,9 +229,9 @@ def run_fake_profile(
             f"allocated ({target.cuda.source})."
         )
 
-    def assemble(run: _Traced) -> Profile:
+    def profile_of(run: _Traced) -> Profile:
         traced, io_bytes, fake_inputs, ledgers, kept = run
-        return _assemble(
+        return assemble(
             model,
             fake_inputs,
             names,
@@ -250,7 +251,7 @@ def run_fake_profile(
         )
 
     later = traced_if()
-    wanted = None if later is None else lambda run: later[1](assemble(run))
+    wanted = None if later is None else lambda run: later[1](profile_of(run))
     with restoring("remat.profile", restore, grads.restore):
         try:
             try:
@@ -263,7 +264,7 @@ def run_fake_profile(
                     "fake run: the model's forward reads tensor values, so transformers took its tracing "
                     "path (explicit masks, repeated K/V heads), which a GPU step does not take."
                 )
-            return assemble(run)
+            return profile_of(run)
         except DataDependentOutputException as exc:
             raise RematError(
                 f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "

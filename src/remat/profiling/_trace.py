@@ -28,66 +28,18 @@ happened (``max_released``), for the same reason.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from remat.core._memtrack import CudaAllocator, StorageTracker, op_tensors, storage_bytes, storages
+from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
 from remat.core._region import _written_tensors, in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core.checkpoint import SAVE_OPS
-
-
-@dataclass
-class Segment:
-    """One stretch of a traced step."""
-
-    phase: str
-    """"fwd" or "bwd"."""
-    block: str | None
-    """The block's qualified name; None for glue."""
-    occurrence: int
-    """k-th time this block (or glue) appears in this phase."""
-    start_live: int = 0
-    end_live: int = 0
-    max_live: int = 0
-    seconds: float = 0.0
-    flops: int = 0
-    op_s: float = 0.0
-    """Time spent inside ops (measured, or modelled on fake tensors)."""
-    save_op_s: float = 0.0
-    """Part of ``op_s`` in the ops the selective policy keeps (matmul, conv, attention)."""
-    recompute_s: float = 0.0
-    """Time spent recomputing checkpointed forwards (part of ``seconds``)."""
-    cast_cache: int = 0
-    """Bytes of autocast weight casts made here and freed by the autocast cache in a later segment."""
-    cast_release: int = 0
-    """Bytes of such casts freed here (NOTE [Autocast's weight casts outlive their block])."""
-    max_released: int = 0
-    """Most live after the first release here, plus the bytes released so far; 0 without one."""
-    writes_input: bool = False
-    """A block's forward: an op in it wrote in place to a storage the block was called with."""
-
-    @property
-    def key(self) -> tuple[str, str | None, int]:
-        return (self.phase, self.block, self.occurrence)
-
-    @property
-    def delta(self) -> int:
-        return self.end_live - self.start_live
-
-    @property
-    def excess(self) -> int:
-        return self.max_live - self.start_live
-
-    @property
-    def excess_released(self) -> int:
-        return self.max_released - self.start_live if self.cast_release else 0
-
+from remat.profiling._crossing_ledger import CrossingLedger
+from remat.profiling._segment import Segment, tensors_in
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -102,13 +54,6 @@ def _weight_cast(src: Any, out: Any) -> bool:
         and src.dtype == torch.float32
         and out.dtype in (torch.bfloat16, torch.float16)
     )
-
-
-def tensors_in(value: Any) -> list[torch.Tensor]:
-    if hasattr(value, "to_tuple"):  # transformers ModelOutput
-        value = value.to_tuple()
-    leaves, _ = tree_flatten(value)
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
 OpCost = Callable[[Any, tuple, dict, Any, int], float]
@@ -147,15 +92,8 @@ class SegmentRecorder:
         self._counts: dict[tuple[str, str | None], int] = {}
         self._handles: list[Any] = []
         self._current: Segment | None = None
-        self.crossings: dict[tuple, dict[str, Any]] = {}
-        """Storages block calls receive from outside them, by first sighting (NOTE [Storages across blocks])."""
-        self._crossing_of: dict[int, tuple] = {}
-        self._made: dict[int, tuple] = {}
-        """Storages a block's forward made, not (yet) seen crossing: kept if they escape it."""
-        self._made_count: dict[tuple[str, int], int] = {}
-        self._freed_here: list[dict[str, Any]] = []
-        self._after_most: list[int] = []
-        """Per record in ``_freed_here``: the most live any op reached from its free to the next one's."""
+        self.ledger = CrossingLedger(tracker, self._live)
+        """Storages across blocks (NOTE [Storages across blocks] in remat.profiling._crossing), reads of outputs."""
         self.recomputes: dict[tuple[str, int], dict[str, Any]] = {}
         """Each block's recomputations: (block, k-th) -> segment it ran in, delta and excess of live bytes."""
         self._recomputing: list[Any] | None = None
@@ -166,11 +104,6 @@ class SegmentRecorder:
         self._allocs, self._made_seen = 0, 0
         self._rebuilt: dict[int, dict[str, Any]] = {}
         """Storages a recomputation made, still live after it, by key -> its record (freed later in the segment?)."""
-        self._outputs: dict[int, str] = {}
-        """Storages of block outputs still alive in the forward -> the block that returned them."""
-        self.output_reads: dict[str, set[str | None]] = {}
-        """Per block: the other forward segments (block, or None for the parent's code) whose ops read its
-        output (NOTE [What the parent does with a block's output] in remat.planning._nested)."""
         self._names = {id(m): n for n, m in self.modules.items() if n in set(self.blocks)}
         self._casts: dict[int, Segment] = {}
         self._call_inputs: set[int] = set()
@@ -193,15 +126,12 @@ class SegmentRecorder:
             if self.allocator is not None:  # everything the allocator held inside the segment
                 seg.max_live = max(seg.max_live, self.allocator.peak())
             self._marks.append((seg, self._opened, self.clock.mark(), "seconds"))
-            self._raise_after(seg.end_live - seg.start_live)
-            self._settle_after()
+            self.ledger.close_segment(seg.end_live - seg.start_live)
             if self._trajectory is not None:
                 end = seg.end_live - seg.start_live
                 self._trajectory.append((self._allocs, end, end))
         self._current = None
         self._trajectory = None
-        self._freed_here = []
-        self._after_most = []
         self._rebuilt = {}
 
     @staticmethod
@@ -212,9 +142,8 @@ class SegmentRecorder:
             seg.max_live = max(seg.max_live, live)
 
     def _on_free(self, key: int, nbytes: int) -> None:
-        self._outputs.pop(key, None)
         self._cast_freed(key, nbytes)
-        self._crossing_freed(key)
+        self.ledger.freed(key, self._current, self._recomputing[0] if self._recomputing is not None else None)
         record = self._rebuilt.pop(key, None)
         if record is not None:  # NOTE [Where a recomputation runs]: what it rebuilt and the segment frees again
             record["frees"].append((len(self._trajectory or ()), self._allocs, nbytes))
@@ -253,95 +182,6 @@ class SegmentRecorder:
                 seg.recompute_s += seconds
         self._marks.clear()
 
-    # -- crossing storages (NOTE [Storages across blocks] in remat.profiling._crossing) --
-    def _note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict) -> None:
-        if self.tracker is None:
-            return
-        for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs)):
-            self.crossings[ident]["receivers"].append(("fwd", block, occurrence))
-
-    def _note_outputs(self, block: str, occurrence: int, output: Any) -> None:
-        if self.tracker is None:
-            return
-        for ident in self._crossing_ids(block, occurrence, "out", output):
-            record = self.crossings[ident]
-            if record["producer"] is None and ident[2] == "out":
-                record["producer"] = ("fwd", block, occurrence)
-
-    def _crossing_ids(self, block: str, occurrence: int, side: str, value: Any) -> list[tuple]:
-        """Identities of the tracked storages in ``value``, by first sighting (stable across runs)."""
-        tracker = self.tracker
-        if tracker is None:
-            raise RuntimeError("crossing storages are identified only with a storage tracker")
-        keys = dict.fromkeys(st._cdata for t in tensors_in(value) for st in storages(t))
-        out = []
-        for j, key in enumerate(k for k in keys if k in tracker.live):
-            made = self._made.pop(key, None)
-            if made is not None:
-                del self.crossings[made]
-            ident = self._crossing_of.get(key)
-            if ident is None:
-                ident = self._crossing_of[key] = (block, occurrence, side, j)
-                self.crossings[ident] = {
-                    "nbytes": tracker.live[key],
-                    "producer": None,
-                    "receivers": [],
-                    "freed": None,
-                    "after": 0,
-                }
-            out.append(ident)
-        return out
-
-    def _note_made(self, seg: Segment, out: Any) -> None:
-        """Every storage a block's forward makes, by order of making (stable across runs)."""
-        tracker, block = self.tracker, seg.block
-        if tracker is None or block is None:
-            raise RuntimeError("made storages are noted only for a block's forward, with a storage tracker")
-        for t in op_tensors(out):
-            for st in storages(t):
-                key = st._cdata
-                seen = key in self._made or key in self._crossing_of or key in self._casts
-                if seen or not tracker.live.get(key):
-                    continue
-                j = self._made_count.get((block, seg.occurrence), 0)
-                self._made_count[(block, seg.occurrence)] = j + 1
-                ident = self._made[key] = (block, seg.occurrence, "made", j)
-                self.crossings[ident] = {
-                    "nbytes": tracker.live[key],
-                    "producer": seg.key,
-                    "receivers": [],
-                    "freed": None,
-                    "after": 0,
-                }
-
-    def _crossing_freed(self, key: int) -> None:
-        ident = self._crossing_of.pop(key, None) or self._made.pop(key, None)
-        if ident is None or self._current is None:
-            return
-        record = self.crossings[ident]
-        if ident[2] == "made" and self._recomputing is not None and self._recomputing[0] == ident[0]:
-            # Used up by its own block's recomputation (a selective cache entry): the recomputation's
-            # change in live bytes already counts it, wherever the recomputation runs.
-            record["freed"] = ("bwd", ident[0], ident[1])
-            return
-        record["freed"] = self._current.key
-        record["after"] = self._live() - self._current.start_live
-        self._freed_here.append(record)
-        self._after_most.append(record["after"])
-
-    def _raise_after(self, relative: int) -> None:
-        # the latest free's running most only: raising every record freed so far at every op cost ops x frees
-        # in a segment (minutes on a traced forward of 100,000 ops); _settle_after hands each its suffix's most
-        if self._after_most:
-            self._after_most[-1] = max(self._after_most[-1], relative)
-
-    def _settle_after(self) -> None:
-        """Each freed record's ``after``: the most live any op reached from its free to the segment's end."""
-        most = None
-        for record, here in zip(reversed(self._freed_here), reversed(self._after_most)):
-            most = here if most is None else max(most, here)
-            record["after"] = max(record["after"], most)
-
     def _on_op(self, func: Any, args: tuple, kwargs: dict, out: Any, seconds: float) -> None:
         seg, tracker = self._current, self.tracker
         if seg is None:
@@ -353,7 +193,7 @@ class SegmentRecorder:
         if self.allocator is None:  # else the allocator's peak, read when the segment closes
             self._top(seg, tracker.current + extra)
         live = self._live()
-        self._raise_after(live + extra - seg.start_live)
+        self.ledger.raise_after(live + extra - seg.start_live)
         if self._recomputing is not None:
             self._recomputing[2] = max(self._recomputing[2], live + extra)
         if self._trajectory is not None:
@@ -365,13 +205,13 @@ class SegmentRecorder:
             for st in storages(out):
                 self._casts[st._cdata] = seg
         elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None and not in_bookkeeping():
-            self._note_made(seg, out)
+            self.ledger.note_made(seg, out, self._casts)
             if func._schema.is_mutable and not seg.writes_input:
                 seg.writes_input = any(
                     st._cdata in self._call_inputs for t in _written_tensors(func, args, kwargs) for st in storages(t)
                 )
-        if seg.phase == "fwd" and self._outputs:
-            self._note_reads(seg.block, (args, kwargs))
+        if seg.phase == "fwd":
+            self.ledger.note_reads(seg.block, (args, kwargs))
         packet = func._overloadpacket
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         seg.flops += flops
@@ -381,13 +221,6 @@ class SegmentRecorder:
         if func in SAVE_OPS:
             seg.save_op_s += seconds
 
-    def _note_reads(self, reader: str | None, args: Any) -> None:
-        for t in op_tensors(args):  # NOTE [Op arguments without pytree]
-            for st in storages(t):
-                producer = self._outputs.get(st._cdata)
-                if producer is not None and producer != reader:
-                    self.output_reads.setdefault(producer, set()).add(reader)
-
     # -- hooks -----------------------------------------------------------------
     def _pre_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -395,7 +228,7 @@ class SegmentRecorder:
             seg = self._current
             if seg is None:
                 raise RuntimeError("begin() opens a segment")
-            self._note_inputs(name, seg.occurrence, args, kwargs)
+            self.ledger.note_inputs(name, seg.occurrence, args, kwargs)
             if self.tracker is not None:
                 self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
             if name not in self.io_bytes:
@@ -407,11 +240,7 @@ class SegmentRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             occurrence = self._current.occurrence if self._current is not None else 0
             outs = tensors_in(output)
-            if len(outs) > 1:  # NOTE [Tuple hand-offs] in remat.core._segment: the parent may use the others
-                self.output_reads.setdefault(name, set()).add(None)
-            self._note_outputs(name, occurrence, output)
-            if self.tracker is not None:
-                self._outputs.update((st._cdata, name) for t in outs for st in storages(t))
+            self.ledger.note_outputs(name, occurrence, output, outs)
             self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs))
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)

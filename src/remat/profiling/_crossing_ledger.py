@@ -1,0 +1,142 @@
+"""What a traced step hands across blocks: the storages block calls receive, return or leave behind
+(NOTE [Storages across blocks] in remat.profiling._crossing), and which segments read a block's output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from typing import Any
+
+from remat.core._memtrack import StorageTracker, op_tensors, storages
+from remat.profiling._segment import Segment, tensors_in
+
+
+class CrossingLedger:
+    """The :class:`~remat.profiling._trace.SegmentRecorder`'s account of storages across blocks; records
+    nothing without a storage tracker."""
+
+    def __init__(self, tracker: StorageTracker | None, live: Callable[[], int]) -> None:
+        """``live``: the recorder's live bytes now."""
+        self.tracker = tracker
+        self._live = live
+        self.crossings: dict[tuple, dict[str, Any]] = {}
+        """Storages block calls receive from outside them, by first sighting (NOTE [Storages across blocks])."""
+        self._crossing_of: dict[int, tuple] = {}
+        self._made: dict[int, tuple] = {}
+        """Storages a block's forward made, not (yet) seen crossing: kept if they escape it."""
+        self._made_count: dict[tuple[str, int], int] = {}
+        self._freed_here: list[dict[str, Any]] = []
+        self._after_most: list[int] = []
+        """Per record in ``_freed_here``: the most live any op reached from its free to the next one's."""
+        self._outputs: dict[int, str] = {}
+        """Storages of block outputs still alive in the forward -> the block that returned them."""
+        self.output_reads: dict[str, set[str | None]] = {}
+        """Per block: the other forward segments (block, or None for the parent's code) whose ops read its
+        output (NOTE [What the parent does with a block's output] in remat.planning._nested)."""
+
+    def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict) -> None:
+        if self.tracker is None:
+            return
+        for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs)):
+            self.crossings[ident]["receivers"].append(("fwd", block, occurrence))
+
+    def note_outputs(self, block: str, occurrence: int, output: Any, outs: list) -> None:
+        """``outs``: the tensors in ``output``."""
+        if len(outs) > 1:  # NOTE [Tuple hand-offs] in remat.core._segment: the parent may use the others
+            self.output_reads.setdefault(block, set()).add(None)
+        if self.tracker is None:
+            return
+        for ident in self._crossing_ids(block, occurrence, "out", output):
+            record = self.crossings[ident]
+            if record["producer"] is None and ident[2] == "out":
+                record["producer"] = ("fwd", block, occurrence)
+        self._outputs.update((st._cdata, block) for t in outs for st in storages(t))
+
+    def _crossing_ids(self, block: str, occurrence: int, side: str, value: Any) -> list[tuple]:
+        """Identities of the tracked storages in ``value``, by first sighting (stable across runs)."""
+        tracker = self.tracker
+        if tracker is None:
+            raise RuntimeError("crossing storages are identified only with a storage tracker")
+        keys = dict.fromkeys(st._cdata for t in tensors_in(value) for st in storages(t))
+        out = []
+        for j, key in enumerate(k for k in keys if k in tracker.live):
+            made = self._made.pop(key, None)
+            if made is not None:
+                del self.crossings[made]
+            ident = self._crossing_of.get(key)
+            if ident is None:
+                ident = self._crossing_of[key] = (block, occurrence, side, j)
+                self.crossings[ident] = {
+                    "nbytes": tracker.live[key],
+                    "producer": None,
+                    "receivers": [],
+                    "freed": None,
+                    "after": 0,
+                }
+            out.append(ident)
+        return out
+
+    def note_made(self, seg: Segment, out: Any, casts: Container[int]) -> None:
+        """Every storage a block's forward makes, by order of making (stable across runs); ``casts``:
+        autocast's weight casts, which have their own account."""
+        tracker, block = self.tracker, seg.block
+        if tracker is None or block is None:
+            raise RuntimeError("made storages are noted only for a block's forward, with a storage tracker")
+        for t in op_tensors(out):
+            for st in storages(t):
+                key = st._cdata
+                seen = key in self._made or key in self._crossing_of or key in casts
+                if seen or not tracker.live.get(key):
+                    continue
+                j = self._made_count.get((block, seg.occurrence), 0)
+                self._made_count[(block, seg.occurrence)] = j + 1
+                ident = self._made[key] = (block, seg.occurrence, "made", j)
+                self.crossings[ident] = {
+                    "nbytes": tracker.live[key],
+                    "producer": seg.key,
+                    "receivers": [],
+                    "freed": None,
+                    "after": 0,
+                }
+
+    def freed(self, key: int, current: Segment | None, recomputing: str | None) -> None:
+        """Storage ``key`` was freed in segment ``current``, while block ``recomputing`` (if any) recomputed."""
+        self._outputs.pop(key, None)
+        ident = self._crossing_of.pop(key, None) or self._made.pop(key, None)
+        if ident is None or current is None:
+            return
+        record = self.crossings[ident]
+        if ident[2] == "made" and recomputing == ident[0]:
+            # Used up by its own block's recomputation (a selective cache entry): the recomputation's
+            # change in live bytes already counts it, wherever the recomputation runs.
+            record["freed"] = ("bwd", ident[0], ident[1])
+            return
+        record["freed"] = current.key
+        record["after"] = self._live() - current.start_live
+        self._freed_here.append(record)
+        self._after_most.append(record["after"])
+
+    def raise_after(self, relative: int) -> None:
+        # the latest free's running most only: raising every record freed so far at every op cost ops x frees
+        # in a segment (minutes on a traced forward of 100,000 ops); close_segment hands each its suffix's most
+        if self._after_most:
+            self._after_most[-1] = max(self._after_most[-1], relative)
+
+    def close_segment(self, end: int) -> None:
+        """Each record freed in the segment gets its ``after``: the most live any op reached from its free to
+        the segment's ``end`` (live bytes above its start)."""
+        self.raise_after(end)
+        most = None
+        for record, here in zip(reversed(self._freed_here), reversed(self._after_most)):
+            most = here if most is None else max(most, here)
+            record["after"] = max(record["after"], most)
+        self._freed_here = []
+        self._after_most = []
+
+    def note_reads(self, reader: str | None, args: Any) -> None:
+        if not self._outputs:
+            return
+        for t in op_tensors(args):  # NOTE [Op arguments without pytree]
+            for st in storages(t):
+                producer = self._outputs.get(st._cdata)
+                if producer is not None and producer != reader:
+                    self.output_reads.setdefault(producer, set()).add(reader)
