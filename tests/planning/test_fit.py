@@ -371,3 +371,26 @@ def test_distributed_auto_profiles_within_the_budget():
         assert all(torch.equal(reference[n], got[n]) for n in reference)
     finally:
         remat.remove(model)
+
+
+def test_a_step_within_the_budget_that_runs_out_beside_the_snapshot_says_what_sat_beside_it():
+    # On the CPU with an optimizer, verification's copy of the parameters and of AdamW's state sits in the same
+    # memory as the step: a device with room for the lowest-peak step but not for that copy refuses the step.
+    # The message must not tell the user to raise the budget to a figure below the one they gave.
+    model, x, _ = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prof = remat.profile(model, x, fake=True, target="cpu", optimizer=optimizer)
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    snapshot = prof.param_bytes + prof.optimizer_bytes
+    budget = floor + snapshot // 4
+    assert budget < prof.baseline_peak_bytes  # planned on fake tensors, verified from the lowest-peak plan
+    device = SimulatedDevice(budget, resting(model, x))
+    with device, pytest.raises(remat.RematError, match="cannot be met on this device") as err:
+        remat.auto(model, x, budget, repeat=1, warmup=0, optimizer=optimizer)
+    message = str(err.value)
+    assert "copy of the parameters and the optimizer's state" in message and "within the budget" in message
+    assert "Raise the budget to at least" not in message
+    assert device.peak <= budget
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert not optimizer.state and not any("forward" in m.__dict__ for m in model.modules())

@@ -45,6 +45,7 @@ from torch import nn
 
 from remat.core._loop import Loop
 from remat.core._policy_registry import KEEP
+from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._candidates import Candidates, Findings
 from remat.planning._compiled import chain_profile, design, fit, is_chain
@@ -217,16 +218,33 @@ def _reference_first(candidates: Candidates, limit: int) -> None:
         if candidates.reference_plan is None:
             raise RuntimeError("reference() sets its plan before it runs a step") from None
         predicted = candidates.reference_plan.predicted_peak_bytes
-        raise _unreachable(
-            limit,
-            prof,
-            "eager",
-            (
-                f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
-                f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)})"
-            ),
-            predicted,
-        ) from None
+        found = (
+            f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
+            f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)})"
+        )
+        if predicted <= limit:  # the step fits the budget; what sat beside it did not
+            raise Unreachable(_beside_the_step(limit, found, candidates)) from None
+        raise _unreachable(limit, prof, "eager", found, predicted) from None
+
+
+def _beside_the_step(limit: int, found: str, candidates: Candidates) -> str:
+    """The message for a step predicted within the budget that ran out of device memory all the same."""
+    prof = candidates.prof
+    snapshot = prof.param_bytes + prof.optimizer_bytes if candidates.loop.optimizer is not None else 0
+    on_cpu = device_of(candidates.model, candidates.inputs).type == "cpu"
+    beside = (
+        f"on the CPU, with an optimizer, auto keeps a copy of the parameters and the optimizer's state "
+        f"({human_bytes(snapshot)}) in the same memory to restore them after each verification step (on CUDA it "
+        "goes to host memory); "
+        if on_cpu and snapshot
+        else ""
+    )
+    return (
+        f"remat.auto: budget {human_bytes(limit)} ({limit} bytes) cannot be met on this device: the lowest-peak plan "
+        f"{found}, within the budget, so the device held more than the step beside it: {beside}tensors the process "
+        "holds outside the model and its batch count too. Free that memory, or pass a budget that much below what "
+        "the device has: the plan then goes lower by as much."
+    )
 
 
 def _unreachable(
