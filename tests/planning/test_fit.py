@@ -337,20 +337,23 @@ def test_cli_plan_runs_no_step_over_the_budget(monkeypatch, capsys):
 
 
 def test_max_batch_tries_no_batch_predicted_over_the_budget(monkeypatch):
-    from remat.bench import _run
+    from remat.bench import _max_batch
 
     options = {"layers": 4, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 128, "seq": 64}
     zoo = build("llama", **options, batch=2)
     budget = remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=0, repeat=1).peak_bytes
-    measured, peak = [], _run._step_peak
-    monkeypatch.setattr(
-        _run, "_step_peak", lambda zoo, setup: measured.append(zoo.inputs["input_ids"].shape[0]) or peak(zoo, setup)
-    )
+    measured, peak = [], _max_batch._step_peak
+
+    def counted_peak(zoo, setup):
+        measured.append(zoo.inputs["input_ids"].shape[0])
+        return peak(zoo, setup)
+
+    monkeypatch.setattr(_max_batch, "_step_peak", counted_peak)
     # the budget is the step's peak at batch 2 to the byte; the device has room for the few bytes (a scalar) that
     # remat's step holds outside the step it tracks
     device = SimulatedDevice(budget + 1024)
     with device:
-        result = _run.max_batch("llama", budget, strategies=("none", "remat"), options=options, limit=4)
+        result = _max_batch.max_batch("llama", budget, strategies=("none", "remat"), options=options, limit=4)
     assert result.batches["none"] == 2 and result.batches["remat"] > 2 and result.peaks["remat"] <= budget
     assert device.peak <= device.capacity and not device.refused
     tried = [b for s in ("none", "remat") for b in result.tried[s]]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from remat.diagnosis._calls import CheckpointCall
 from remat.diagnosis._findings import (
     ERROR,
     Finding,
@@ -24,7 +25,6 @@ from remat.diagnosis._findings import (
     where_called,
     within_module,
 )
-from remat.diagnosis._intercept import CheckpointCall
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

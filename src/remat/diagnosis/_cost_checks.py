@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from remat.diagnosis._calls import CheckpointCall
 from remat.diagnosis._findings import (
     WARNING,
     Costs,
@@ -17,7 +18,6 @@ from remat.diagnosis._findings import (
     union_of,
     where_called,
 )
-from remat.diagnosis._intercept import CheckpointCall
 from remat.profiling._format import human_bytes
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from remat.core.measure import Measurement
-from remat.diagnosis._intercept import ROOT, CallKey, CheckpointCall
+from remat.diagnosis._calls import ROOT, CallKey, CheckpointCall
 
 ERROR, WARNING = "error", "warning"
 

@@ -34,8 +34,9 @@ from remat.core._step import InputGrads, LossFn, call_model, compute_loss, train
 from remat.core.measure import Measurement, _sync, device_of, measure
 from remat.diagnosis import _checks as checks
 from remat.diagnosis import _cost_checks as cost_checks
+from remat.diagnosis._calls import CallKey, CheckpointCall
 from remat.diagnosis._findings import ERROR, Costs, Finding, StepRecord
-from remat.diagnosis._intercept import CallKey, CheckpointCall, Interceptor, always, never, observing, session
+from remat.diagnosis._intercept import Interceptor, always, never, observing, session
 from remat.diagnosis._python_state import PythonState
 from remat.errors import RematError
 
