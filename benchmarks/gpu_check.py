@@ -13,6 +13,9 @@ forward under bf16 autocast):
 * without CUDA: says so, and compares the fake profiles with the file's own
   measurements (peaks and step-time ratios), plus what each budget's plan predicts.
 
+``--extra`` adds the configurations of ``EXTRA`` (a ViT-Base and a Mistral-like GQA Llama, bf16 autocast),
+which no file holds: measured like the others on a GPU, their fake predictions alone without one.
+
 Prints markdown tables with the device, torch, CUDA and transformers versions; ``--write``
 puts them into BENCHMARKS.md (``benchmarks/_sections.py``). No network is needed (zoo models
 have random weights).
@@ -31,9 +34,54 @@ import torch
 
 import remat
 from remat.bench._gpu_truth import FILES, build_config, compare, load
+from remat.core._fine import FINE, wrap_fine
+from remat.core._policy_registry import POLICIES
+from remat.profiling._blocks import find_blocks
 from remat.profiling._format import human_bytes
 
 BUDGETS = (0.8, 0.6, 0.45)
+
+#: ``--extra``: configurations the truth files do not hold, measured on the GPU only (bf16 autocast): a ViT-Base and
+#: a Mistral-like Llama (grouped-query attention, 4 query heads per K/V head, a 3.5x MLP, a 32k vocabulary).
+EXTRA: dict[str, Any] = {
+    "autocast": "bf16",
+    "models": {
+        "vit-base-224": {
+            "zoo": "vit",
+            "opts": {"layers": 12, "hidden": 768, "intermediate": 3072, "heads": 12, "image": 224, "batch": 64},
+        },
+        "mistral-like-8x1024": {
+            "zoo": "llama",
+            "opts": {
+                "layers": 8,
+                "hidden": 1024,
+                "intermediate": 3584,
+                "heads": 16,
+                "kv_heads": 4,
+                "vocab": 32000,
+                "seq": 2048,
+                "batch": 4,
+            },
+        },
+    },
+}
+
+#: The policies each ``--extra`` configuration is measured under, every block alike.
+EXTRA_POLICIES = ("keep", "full", "selective", "selective-ops", "full-fine")
+
+
+def extra_truth() -> dict[str, Any]:
+    """``EXTRA`` with its assignments: every block under each of ``EXTRA_POLICIES``, and keep / full alternating."""
+    models = {}
+    for label, entry in EXTRA["models"].items():
+        blocks = find_blocks(build_config(EXTRA, label).model)
+        assignments = {
+            "none" if policy == "keep" else f"all-{policy}": {"policies": dict.fromkeys(blocks, policy)}
+            for policy in EXTRA_POLICIES
+        }
+        alternate = {name: ("keep", "full")[i % 2] for i, name in enumerate(blocks)}
+        models[label] = {**entry, "assignments": {**assignments, "alternate": {"policies": alternate}}}
+    return {**EXTRA, "models": models}
 
 
 def versions() -> str:
@@ -58,7 +106,9 @@ def measure(zoo: Any, assignment: dict[str, str]) -> remat.Measurement:
     modules = dict(zoo.model.named_modules())
     try:
         for block, policy in assignment.items():
-            if policy != "keep":
+            if policy == FINE:
+                wrap_fine(modules[block])
+            elif policy != "keep":
                 remat.wrap(modules[block], policy=policy)
         return remat.measure(zoo.model, zoo.inputs, zoo.loss_fn, warmup=2, repeat=5)
     finally:
@@ -77,10 +127,18 @@ def _lowest(prof: remat.Profile) -> str:
     return f"{human_bytes(low)}, {low / prof.baseline_peak_bytes:.2f} of the peak"
 
 
+def policies_of(truth: dict[str, Any], label: str) -> tuple[str, ...]:
+    """remat.profile's default policies and any other the configuration's assignments use (``full-fine``)."""
+    used = (p for row in truth["models"][label]["assignments"].values() for p in row["policies"].values())
+    return tuple(dict.fromkeys([*POLICIES, *used]))
+
+
 def fake_profile(truth: dict[str, Any], label: str) -> tuple[remat.Profile, float]:
     zoo = build_config(truth, label)  # meta device: nothing allocated
     start = time.perf_counter()
-    prof = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, fake=True, target="h100")
+    prof = remat.profile(
+        zoo.model, zoo.inputs, zoo.loss_fn, fake=True, target="h100", policies=policies_of(truth, label)
+    )
     return prof, time.perf_counter() - start
 
 
@@ -91,6 +149,20 @@ def configurations(files: list[str], configs: list[str] | None) -> Iterator[tupl
         for label in truth["models"]:
             if not configs or label in configs:
                 yield name, truth, label
+
+
+def extra_cpu_part() -> None:
+    """``--extra`` without a GPU: the fake profiles' predictions, to be measured where there is one."""
+    print("| config | assignment | fake predicted peak (H100) | fake predicted time ratio | fake profile took |")
+    print("|---|---|---|---|---|")
+    truth = extra_truth()
+    for label, entry in truth["models"].items():
+        prof, took = fake_profile(truth, label)
+        for assignment, row in entry["assignments"].items():
+            print(
+                f"| {label} | {assignment} | {human_bytes(prof.predict_peak(row['policies']))} | "
+                f"{prof.predict_time(row['policies']) / prof.predict_time({}):.3f} | {took:.1f} s |"
+            )
 
 
 def cpu_part(files: list[str], configs: list[str] | None) -> None:
@@ -132,16 +204,20 @@ def cpu_part(files: list[str], configs: list[str] | None) -> None:
     print("\n".join(plans))
 
 
-def gpu_part(files: list[str], configs: list[str] | None, device: str = "cuda") -> None:
+def gpu_part(files: list[str], configs: list[str] | None, device: str = "cuda", extra: bool = False) -> None:
     print(
         "| file | config | assignment | measured peak | real profile | error | fake profile | error "
         "| measured time ratio | real predicted | fake predicted |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     budget_rows = []
-    for name, truth, label in configurations(files, configs):
+    chosen = list(configurations(files, configs))
+    if extra:
+        truth = extra_truth()
+        chosen += [("extra (bf16)", truth, label) for label in truth["models"]]
+    for name, truth, label in chosen:
         zoo = build_config(truth, label, device=device)
-        real = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=3, warmup=1)
+        real = remat.profile(zoo.model, zoo.inputs, zoo.loss_fn, repeat=3, warmup=1, policies=policies_of(truth, label))
         fake, _ = fake_profile(truth, label)
         base = None
         for assignment, row in truth["models"][label]["assignments"].items():
@@ -186,6 +262,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", nargs="*", default=list(FILES), choices=list(FILES))
     parser.add_argument("--configs", nargs="*", help="configuration labels (default: all)")
+    parser.add_argument("--extra", action="store_true", help="also the configurations of EXTRA (bf16)")
     _sections.add_write_option(parser)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -197,13 +274,16 @@ def main() -> None:
 def _check(args: argparse.Namespace) -> None:
     print(versions() + "\n")
     if torch.cuda.is_available():
-        gpu_part(args.files, args.configs)
+        gpu_part(args.files, args.configs, extra=args.extra)
     else:
         print(
             "No CUDA device here: the GPU part (real profiles, remat.measure, plans measured) did not run. "
             "Below, fake profiles made on this CPU for target='h100' against the files' H100 measurements.\n"
         )
         cpu_part(args.files, args.configs)
+        if args.extra:
+            print("\nConfigurations not in the files (--extra), predicted only:\n")
+            extra_cpu_part()
 
 
 if __name__ == "__main__":

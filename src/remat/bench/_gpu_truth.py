@@ -79,7 +79,7 @@ def build_config(truth: dict[str, Any], label: str, device: str | torch.device =
     meta = str(device) == "meta"
     with torch.device("meta") if meta else contextlib.nullcontext():
         zoo = build(entry["zoo"], **entry["opts"])
-    if _needs_all_ones_mask():
+    if _needs_all_ones_mask() and "input_ids" in zoo.inputs:
         zoo.inputs["attention_mask"] = torch.ones(zoo.inputs["input_ids"].shape, dtype=torch.long)
     if not meta:
         zoo.model.to(device)
