@@ -141,9 +141,10 @@ def _trace(
     target: Target,
     gpu_path: bool,
     loop: Loop,
-    wanted: Callable[[_Traced], bool] | None = None,
+    later: tuple[str, Callable[[_Traced], bool]] | None = None,
 ) -> _Traced:
-    """``wanted``: the test of NOTE [A policy traced only when wanted] on what was traced before that policy."""
+    """``later``: the policy traced last and only if its test, asked of what was traced before it, says so
+    (NOTE [A policy traced only when wanted])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows(layouts=True)  # NOTE [Output layouts of the device's kernels]
 
@@ -174,12 +175,11 @@ def _trace(
         _target_kernels(target, gpu_path),
         young_collections(full=False),  # fake tensors hold no device memory
     ):
-        later = traced_if()
-        for policy, run_as, learn in _last(trace_schedule(policies), later[0] if later else None):
-            if later is not None and wanted is not None and policy == later[0]:
-                kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
+        last, wanted = later or (None, None)
+        for policy, run_as, learn in _last(trace_schedule(policies), last):
+            if wanted is not None and policy == last:
                 with spent("fake profile"):
-                    if not wanted((traced, io_bytes, fake_inputs, ledgers, kept)):
+                    if not wanted((traced, io_bytes, fake_inputs, ledgers, _kept(model, loop))):
                         continue
             switch.set(run_as)
             with mode, shadows:
@@ -192,8 +192,12 @@ def _trace(
                         model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
                     )
             io_bytes = io_bytes or io
-        kept = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
-        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_inputs, ledgers, kept
+        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_inputs, ledgers, _kept(model, loop)
+
+
+def _kept(model: nn.Module, loop: Loop) -> tuple[int, int]:
+    """(bytes the loop keeps alive, of which the optimizer's state), read while the fake weights are in."""
+    return storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
 
 
 def _last(schedule: list[tuple[str, str, bool]], policy: str | None) -> list[tuple[str, str, bool]]:
@@ -250,16 +254,16 @@ def run_fake_profile(
             loop_bytes=kept,
         )
 
-    later = traced_if()
-    wanted = None if later is None else lambda run: later[1](profile_of(run))
+    asked = traced_if()
+    later = None if asked is None else (asked[0], lambda run: asked[1](profile_of(run)))
     with restoring("remat.profile", restore, grads.restore):
         try:
             try:
-                run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop, wanted=wanted)
+                run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop, later=later)
             except DataDependentOutputException:
                 # A value the shadows do not know (computed from weights, say): the library's own
                 # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
-                run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop, wanted=wanted)
+                run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop, later=later)
                 notes.append(
                     "fake run: the model's forward reads tensor values, so transformers took its tracing "
                     "path (explicit masks, repeated K/V heads), which a GPU step does not take."
