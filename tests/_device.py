@@ -10,6 +10,9 @@ first time an op sees it. An op whose new storages would take the live bytes pas
 ``capacity`` raises ``torch.OutOfMemoryError``, as CUDA's allocator does, with its output
 dropped. ``peak`` is the most bytes it admitted at once. Fake and meta tensors hold no memory
 and are not counted; remat's own dispatch modes, entered inside it, send their ops through it.
+FSDP2 frees and re-allocates its all-gathered parameters with ``UntypedStorage.resize_``,
+which no dispatch mode sees: while entered, that method is wrapped to count (and refuse) the
+growth, as remat's tracker does (NOTE [Sharded parameters: subclasses and resized storages]).
 """
 
 from __future__ import annotations
@@ -58,6 +61,37 @@ class SimulatedDevice(TorchDispatchMode):
             self._refs[st._cdata] = weakref.ref(st, lambda r, k=st._cdata: self._freed(k, r))
             self.current += st.nbytes()
         self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> SimulatedDevice:
+        original = self._original_resize = torch.UntypedStorage.resize_
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            if st.device.type == "meta":  # a fake tensor's
+                return original(st, size)
+            grow = size - self.live.get(st._cdata, 0)
+            if grow > 0 and self.current + grow > self.capacity:
+                self.refused += 1
+                raise torch.OutOfMemoryError(f"SimulatedDevice: resizing a storage to {size} bytes would pass {self}")
+            out = original(st, size)
+            if st._cdata in self.live:
+                self.live[st._cdata] = size
+                self.current += grow
+            else:
+                self._admit([st])
+            self.peak = max(self.peak, self.current)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+
+    def __repr__(self) -> str:
+        return f"SimulatedDevice(capacity {self.capacity}, live {self.current})"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}

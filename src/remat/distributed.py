@@ -2,13 +2,13 @@
 
 NOTE [Memory per rank under FSDP2 and DDP]
 FSDP2 (``fully_shard`` per block, then on the root): profiling the sharded model
-on every rank, inside the process group, gives the per-rank accounting for free.
+on every rank gives the per-rank accounting for free.
 remat's storage tracker counts real storages, so parameters are their local
 shards (1/N, padded), a block's parameters are counted from their all-gather to
 their reshard (the unsharded working set, including FSDP's prefetch of the next
 block in backward), and gradients from their reduce-scatter on are 1/N. Predicted
-and measured per-rank peaks agree exactly (see ``tests/test_distributed.py``).
-All ranks must profile because every step runs collectives.
+and measured per-rank peaks agree exactly (see ``tests/planning/test_distributed.py``).
+Every rank profiles: each has its own shards, and a real step runs collectives.
 
 DDP keeps one more copy of the gradients in its communication buckets, alive
 for the whole step. They are allocated when DDP is built, so no tracked op
@@ -28,6 +28,7 @@ below the minimum) are sent too, so every rank raises instead of waiting forever
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -45,7 +46,6 @@ from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
 from remat.profiling._types import Profile
-from remat.profiling.profile import profile as make_profile
 
 __all__ = ["auto", "is_sharded", "plan_on_rank0"]
 
@@ -129,9 +129,10 @@ def auto(
 
     ``model`` is as it is trained: wrapped in ``DistributedDataParallel`` (its
     module is profiled on rank 0 and its buckets counted), sharded with FSDP2's
-    ``fully_shard`` (profiled on every rank, inside the process group, so that
-    parameters, gradients and all-gathers count per rank), or plain (profiled on
-    rank 0). ``budget`` is per rank. Every rank of ``group`` must call it.
+    ``fully_shard`` (profiled on every rank, so that parameters, gradients and
+    all-gathers count per rank), or plain (profiled on rank 0). ``budget`` is per
+    rank. No rank runs a step over it where some plan fits it: the step without
+    checkpointing is profiled on fake tensors first. Every rank of ``group`` must call it.
     """
     ddp = isinstance(model, DistributedDataParallel)
     target = model.module if isinstance(model, DistributedDataParallel) else model  # narrows to DDP's module
@@ -140,25 +141,47 @@ def auto(
     )
     remove(target)
 
+    sharded = is_sharded(target)
+
     def run() -> Profile:
-        if is_sharded(target):
-            return make_profile(target, inputs, loss_fn, **profile_options)
-        # NOTE [Rank 0 profiles within the budget]
+        # NOTE [Ranks profile within the budget]
         counted = _with_ddp_buckets if ddp else None
+        agreed = functools.partial(_anywhere, group=group) if sharded else bool
         return profile_within(
-            target, inputs, loss_fn, budget, api="remat.distributed.auto", options=profile_options, counted=counted
+            target,
+            inputs,
+            loss_fn,
+            budget,
+            api="remat.distributed.auto",
+            options=profile_options,
+            counted=counted,
+            agreed=agreed,
         ).profile
 
-    chosen = plan_on_rank0(run() if is_sharded(target) else run, budget, group=group, ddp=ddp)
+    chosen = plan_on_rank0(run() if sharded else run, budget, group=group, ddp=ddp)
     apply(target, chosen)
     return chosen
 
 
-# NOTE [Rank 0 profiles within the budget]
-# Rank 0 profiles the unwrapped module with real steps, the step without
-# checkpointing among them; on a device that step does not fit, it would die of
-# out-of-memory (and leave the other ranks waiting for its plan). So it profiles
-# within the budget as remat.auto does (NOTE [Within the budget] in
-# remat.planning._within), DDP's buckets counted in the step without checkpointing.
-# Sharded models profile inside the process group, for real: fake tensors do not run
-# FSDP's collectives.
+def _anywhere(here: bool, *, group: Any) -> bool:
+    """Whether ``here`` holds on any rank of ``group`` (every rank must call it)."""
+    if not dist.is_initialized():
+        return here
+    flag = [here]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, flag, group=group)
+    return any(f[0] for f in everyone)
+
+
+# NOTE [Ranks profile within the budget]
+# A profile runs real steps, the step without checkpointing among them; on a device that
+# step does not fit, it would die of out-of-memory (and leave the other ranks waiting).
+# So the model is profiled within the budget as remat.auto does (NOTE [Within the budget]
+# in remat.planning._within): on fake tensors first, DDP's buckets counted in the step
+# without checkpointing, and for real only if that step fits. An unsharded model is
+# profiled on rank 0 alone. A sharded model is profiled on every rank: its fake profile
+# counts each rank's shards (NOTE [A sharded model on fake tensors] in
+# remat.profiling._fsdp_fake) and runs no collective, so ranks make it on their own;
+# its real profile runs collectives, so every rank must run it or none. The shards
+# of ranks can differ in size (padding), so the step can be over the budget on one
+# rank alone: the ranks agree to run the real profile only where it fits on all of them.

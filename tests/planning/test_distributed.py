@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _device import SimulatedDevice, resting
 from conftest import TensorParallelBlock, tensor_parallel
 from torch import nn
 
@@ -87,14 +88,26 @@ def _memtracker_peak(model: nn.Module, inputs: dict) -> int | None:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+def _budget_bytes(model: nn.Module, inputs: dict) -> int:
+    """BUDGET of rank 0's step without checkpointing, in bytes, the same on every rank (from a fake profile, so
+    that no real step runs before remat's)."""
+    shared = [int(BUDGET * remat.profile(model, inputs, fake=True).baseline_peak_bytes)]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def _fsdp(rank: int) -> dict:
     model, inputs, blocks = _model_and_batch(rank)
     reference = _step(_shard(model, blocks), inputs)
     model, _, _ = _model_and_batch(rank)
-    _shard(model, blocks)  # profiled sharded, inside the process group: per-rank bytes
-    plan = remat.distributed.auto(model, inputs, BUDGET, repeat=1, warmup=0)
+    _shard(model, blocks)  # profiled sharded: per-rank bytes
+    budget = _budget_bytes(model, inputs)
+    device = SimulatedDevice(budget, resting(model, *inputs.values()))
+    with device:  # a device the step without checkpointing does not fit, on every rank
+        plan = remat.distributed.auto(model, inputs, budget, repeat=1, warmup=0)
     measured = remat.measure(model, inputs, warmup=1, repeat=1)
     out = {
+        "device": (device.peak, device.refused, device.capacity),
         "plan": plan.to_json(),
         "peak": measured.peak_bytes,
         "torch_peak": _memtracker_peak(model, inputs),
@@ -263,6 +276,15 @@ def test_measured_peak_per_rank_is_within_budget(ranks, mode):
         assert [r["fsdp"]["peak"] for r in ranks] == [r["fsdp"]["torch_peak"] for r in ranks]
     if mode == "ddp":  # the resting storages remat found beyond the model's are exactly DDP's buckets
         assert [r["ddp"]["buckets"] for r in ranks] == [r["ddp"]["unlisted"] for r in ranks]
+
+
+def test_fsdp_auto_never_holds_more_than_the_budget(ranks):
+    # the budget is 0.6 of the step without checkpointing: auto planned on each rank's fake profile and ran no
+    # real step over the budget (an op over it would have raised OutOfMemoryError: refused counts them)
+    for r in ranks:
+        peak, refused, capacity = r["fsdp"]["device"]
+        plan = remat.Plan.from_json(r["fsdp"]["plan"])
+        assert refused == 0 and peak <= capacity == plan.budget_bytes < plan.baseline_peak_bytes
 
 
 def test_fsdp_plans_hold_with_the_sharded_optimizer_state(ranks):

@@ -78,6 +78,7 @@ def profile_within(
     run: Run | None = None,
     counted: Callable[[Profile], Profile] | None = None,
     fake_options: dict[str, Any] | None = None,
+    agreed: Callable[[bool], bool] = bool,
 ) -> Within:
     """The profile to plan ``budget`` on (NOTE [Within the budget]).
 
@@ -86,7 +87,9 @@ def profile_within(
     the budget. With ``budget`` None or ``fake`` in ``options``, the one profile asked for is made.
     ``fake_options`` go to the fake profile only (auto traces ``full-fine`` there ahead of need). A budget of
     the whole peak without checkpointing (a share of 1 or more) runs the real profile first: it fits, and
-    a fake profile is made only if it runs out of memory.
+    a fake profile is made only if it runs out of memory. ``agreed(over)``: whether the step without
+    checkpointing is over the budget anywhere, given whether it is here (ranks that profile together must
+    all run the real profile or none: NOTE [Ranks agree on the real profile] in remat.distributed).
     """
     if run is None:
 
@@ -115,7 +118,7 @@ def profile_within(
         return Within(run(options))
     peak = (counted(fake) if counted is not None else fake).baseline_peak_bytes
     limit = parse_budget(budget, peak)
-    if peak > limit:
+    if agreed(peak > limit):
         log.info(
             "%s: the step without checkpointing (%s) is over the budget %s: planned on fake tensors.",
             api,

@@ -46,6 +46,7 @@ from remat.errors import RematError
 from remat.profiling._assemble import Ledger, assemble
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
+from remat.profiling._fsdp_fake import fake_shards
 from remat.profiling._profile_run import _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, traced_if, young_collections
 from remat.profiling._segment import Segment
@@ -75,6 +76,7 @@ class _FakeWeights:
         self.saved: list[tuple[dict, str, Any]] = []
         self.groups: list[tuple[dict, list]] = []
         self.state: Any = None
+        self.shards = contextlib.ExitStack()
 
     def __enter__(self) -> None:
         try:
@@ -85,6 +87,7 @@ class _FakeWeights:
 
     def _swap(self) -> None:
         twins: dict[int, torch.Tensor] = {}
+        self.shards.enter_context(fake_shards(self.model, self.mode, twins))  # NOTE [A sharded model on fake tensors]
         for module in self.model.modules():
             stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
             for store in stores:
@@ -114,6 +117,7 @@ class _FakeWeights:
             self.groups = []
             if self.state is not None and self.optimizer is not None:  # a state was swapped out of the optimizer
                 self.optimizer.state, self.state = self.state, None
+            self.shards.close()
 
 
 @contextlib.contextmanager
