@@ -1,8 +1,8 @@
-"""FSDP2-sharded models on fake tensors (one gloo rank): the real profile's bytes, the model left as it was."""
+"""Sharded (FSDP2) and tensor-parallel models on fake tensors, one gloo rank: the real bytes, the model untouched."""
 
 import pytest
 import torch
-from conftest import residual_chain
+from conftest import TensorParallelBlock, residual_chain, tensor_parallel
 from torch import nn
 
 import remat
@@ -54,6 +54,20 @@ def test_a_sharded_models_fake_profile_has_the_real_ones_bytes_and_leaves_it_as_
         assert fake.predict_peak(assignment) == real.predict_peak(assignment), assignment
     # the next real step is the step of a model nobody profiled
     assert all(torch.equal(a, b) for a, b in zip(_step(model, x).values(), _step(_sharded(), x).values()))
+
+
+def test_a_tensor_parallel_models_fake_profile_has_the_real_ones_bytes(one_rank_group):
+    # its parameters are DTensors, and its ops refuse plain tensors beside them: the twins are DTensors too
+    torch.manual_seed(0)
+    model = tensor_parallel(nn.Sequential(*[TensorParallelBlock() for _ in range(4)]), one_rank_group)
+    x = torch.randn(8, 64, 32)
+    params = {n: p for n, p in model.named_parameters()}
+    fake = remat.profile(model, x, loss_fn=torch.sum, fake=True, target="cpu")
+    assert all(p is params[n] for n, p in model.named_parameters())
+    real = remat.profile(model, x, loss_fn=torch.sum, warmup=0, repeat=1)
+    names = [b.name for b in real.blocks]
+    for assignment in ({}, dict.fromkeys(names, "full"), {names[0]: "selective", names[-1]: "full"}):
+        assert fake.predict_peak(assignment) == real.predict_peak(assignment), assignment
 
 
 class _FailsOnFakeTensors(nn.Module):

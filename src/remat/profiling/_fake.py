@@ -46,7 +46,7 @@ from remat.errors import RematError
 from remat.profiling._assemble import Ledger, assemble
 from remat.profiling._cuda_autocast import cuda_autocast_lists
 from remat.profiling._cuda_kernels import cuda_kernels
-from remat.profiling._fsdp_fake import fake_shards
+from remat.profiling._fsdp_fake import dtensor_twin, fake_shards
 from remat.profiling._profile_run import _Policies, traced_step
 from remat.profiling._schedule import learn_structure, trace_schedule, traced_if, young_collections
 from remat.profiling._segment import Segment
@@ -96,7 +96,8 @@ class _FakeWeights:
                         continue
                     self.saved.append((store, name, t))
                     if id(t) not in twins:
-                        fake = _fake_like(self.mode, t)
+                        fake = dtensor_twin(self.mode, t.data if isinstance(t, nn.Parameter) else t)
+                        fake = _fake_like(self.mode, t) if fake is None else fake
                         twins[id(t)] = (
                             nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
                         )

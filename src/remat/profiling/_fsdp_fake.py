@@ -28,7 +28,23 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["fake_shards", "fsdp_states"]
+__all__ = ["dtensor_twin", "fake_shards", "fsdp_states"]
+
+
+def dtensor_twin(mode: Any, t: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor of ``t``'s mesh, placements and global shape over a fake local shard; None when ``t`` is no
+    DTensor. A tensor-parallel layer's parameters are DTensors, and its ops refuse to mix them with plain
+    tensors; a plain fake of the global shape would also count every rank's shards."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    if not isinstance(t, DTensor):
+        return None
+    local = t._local_tensor
+    with mode:
+        fake = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device="cpu")
+    return DTensor.from_local(fake, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def fsdp_states(model: nn.Module) -> list[Any]:
