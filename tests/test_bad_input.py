@@ -293,6 +293,30 @@ def test_a_failure_in_recomputation_names_step_and_block_and_is_a_runtime_error(
     untouched.check()
 
 
+class _RunsOutInRecompute(nn.Linear):
+    def forward(self, x):
+        if remat.is_recomputing():
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().forward(x)
+
+
+def test_running_out_of_memory_in_recomputation_is_out_of_memory_not_another_function():
+    # Recomputation is where a checkpointed step peaks: the device being full there must reach auto as
+    # "this plan is over the budget" (NOTE [Out of memory is an answer]), not as a recomputation that computed
+    # something else.
+    model = _net()
+    model.blocks[2][0] = _RunsOutInRecompute(8, 8)
+    remat.wrap(model.blocks[2])
+    untouched = Untouched(model)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        remat.measure(model, X)
+    assert isinstance(info.value, remat.errors.OutOfMemory) and not isinstance(info.value, remat.RecomputeError)
+    assert "ran out of device memory (CUDA out of memory (simulated))" in str(info.value)
+    untouched.check()
+    with pytest.raises(torch.OutOfMemoryError):  # torch's own, through remat.checkpoint alone
+        model(X).square().mean().backward()
+
+
 class _BadLinear(nn.Linear):
     def forward(self, x):
         raise ValueError("bad weights")

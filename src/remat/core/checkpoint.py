@@ -217,8 +217,11 @@ def _run_checkpointed(
         rargs, rkwargs = region.recompute_inputs()
         try:
             return fn(*rargs, **rkwargs)
-        except (_StopRecomputation, RematError):
-            raise  # torch's early stop, or our own message (a region inside this one's included)
+        except (_StopRecomputation, RematError, torch.OutOfMemoryError):
+            # torch's early stop, our own message (a region inside this one's included), or the device full: out of
+            # memory says nothing of the function, and the caller tells (or answers) it (NOTE [Out of memory is an
+            # answer] in remat.planning._verify_step)
+            raise
         except Exception as exc:
             raise _recompute_failure(fn, policy, region, exc) from exc
 

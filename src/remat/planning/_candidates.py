@@ -18,14 +18,19 @@ from remat.core._segment import NotAChain
 from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._put import remove
+from remat.planning._sub_batch import batch_size, reference_batch, sliced
 from remat.planning._verify_step import OutOfMemory, Step, measured_step
 from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
 from remat.profiling._format import human_bytes
 
-__all__ = ["Candidates", "Findings"]
+__all__ = ["Candidates", "Findings", "Unreachable"]
 
 log = logging.getLogger("remat")
+
+
+class Unreachable(RematError):
+    """No plan on this profile reaches the budget (predicted, or measured by auto's verification)."""
 
 
 @dataclass
@@ -40,6 +45,9 @@ class Findings:
     """What was found, for the plan's notes."""
     compared_with: str = "the step without checkpointing"
     """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
+    samples: int | None = None
+    """The first samples of the batch the compared steps run on; None: the whole batch (NOTE [A reference on a
+    slice of the batch])."""
 
 
 def _blocks_of(names: list[str], blocks: list[str]) -> list[str]:
@@ -86,6 +94,8 @@ class Candidates:
         """The CUDA allocator's reserved peak of each plan measured on CUDA, by its index in ``tried``."""
         self.reference_plan: Plan | None = None
         """The plan whose step verified plans are compared with (None: the step without checkpointing)."""
+        self.compared_on: Any = inputs if findings.samples is None else sliced(inputs, findings.samples)
+        """The inputs of the steps compared: ``inputs``, or its first ``findings.samples``."""
 
     @property
     def nested(self) -> bool:
@@ -124,7 +134,12 @@ class Candidates:
             return self._one_level(
                 plan, f"Nested segments do not run on this model ({reason}); planned one level deep."
             )
-        differ = self._differences(plan, step.summary)
+        try:
+            differ = self._differences(plan, self._compared_summary(plan, step.summary))
+        except OutOfMemory as err:  # its comparison step on the slice: over the device all the same
+            log.info("%s", err)
+            self.tried.append((plan, None))
+            return plan, None
         if differ and plan.segments:
             return self._one_level(
                 plan,
@@ -166,6 +181,15 @@ class Candidates:
             twin = self.plan(plan.budget_bytes)
         except RematError:  # below the one-level minimum: its lowest-peak plan
             twin = self.lowest()
+        if self.limit is not None and twin.predicted_peak_bytes > self.limit:  # its step would be over: not run
+            remove(self.model)
+            floor = twin.predicted_peak_bytes
+            raise Unreachable(
+                f"remat.auto: budget {human_bytes(self.limit)} ({self.limit} bytes) cannot be met on this model: only "
+                f"nested plans reach it, and {note[0].lower()}{note[1:]} The lowest-peak one-level plan is predicted "
+                f"at {human_bytes(floor)}, so no step was run over the budget. Raise the budget to at least {floor} "
+                "bytes, or lower the batch size / sequence length."
+            )
         return self.measure(twin)
 
     def reference(self, plan: Plan) -> Fingerprint | None:
@@ -173,20 +197,70 @@ class Candidates:
         with]), measured once; raises OutOfMemory if even it did not fit the device."""
         if self.findings.reference is not None:
             return self.findings.reference
-        keep = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=())
-        if self.limit is not None and self.prof.baseline_peak_bytes > self.limit:
+        keep, over = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=()), ""
+        below = self.limit is not None and self.prof.baseline_peak_bytes > self.limit
+        if below and self.limit is not None:
             floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
             keep = make_plan(self.prof, f"{floor}B", nested=False)
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
+            over = self._slice_for(keep.predicted_peak_bytes, self.limit)
+        self.reference_plan = keep
+        step = self._reference_step(keep)
+        if below:
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
-                f"the budget: verified plans were compared with {self.findings.compared_with} instead."
+                f"the budget: verified plans were compared with {self.findings.compared_with} instead{over}."
             )
-        self.reference_plan = keep
-        step = measured_step(self.model, self.inputs, self.loss_fn, keep, None, self.loop)
-        self._tried(keep, step)
         self.findings.reference = step.summary
         return step.summary
+
+    def _slice_for(self, predicted: int, limit: int) -> str:
+        """Compare on a slice of the batch if the reference, predicted at ``predicted``, is over ``limit``
+        (NOTE [A reference on a slice of the batch]); what the note says of it."""
+        batch = batch_size(self.inputs)
+        if predicted <= limit:
+            return ""
+        prof = self.prof
+        fixed = prof.resting_bytes + (prof.grad_bytes if prof.accumulation_steps == 1 else 0)
+        b = None if batch is None else reference_batch(batch, predicted, fixed, limit)
+        if batch is None or b is None:
+            why = "its inputs have no common batch dimension" if batch is None else "even one sample is predicted over"
+            return f" (predicted {human_bytes(predicted)}, over the budget, and not compared on a slice: {why})"
+        self._compare_on(b)
+        return (
+            f" (predicted {human_bytes(predicted)} on the whole batch of {batch}, over the budget: each plan's loss, "
+            "gradients and buffers are compared on that slice, its peak measured on the whole batch)"
+        )
+
+    def _compare_on(self, b: int) -> None:
+        batch, before = batch_size(self.inputs), self.findings.samples
+        self.findings.samples, self.compared_on = b, sliced(self.inputs, b)
+        said = f", on the first {before} of the batch's {batch} samples"
+        self.findings.compared_with = self.findings.compared_with.replace(said, "")
+        self.findings.compared_with += f", on the first {b} of the batch's {batch} samples"
+
+    def _reference_step(self, keep: Plan) -> Step:
+        """The reference step; on a slice that runs out of memory, again on half the slice."""
+        while True:
+            try:
+                step = measured_step(self.model, self.compared_on, self.loss_fn, keep, None, self.loop)
+            except OutOfMemory:
+                if self.findings.samples is None or self.findings.samples == 1:
+                    raise
+                self._compare_on(self.findings.samples // 2)
+                continue
+            if self.findings.samples is None:  # a slice's peak is not the plan's
+                self._tried(keep, step)
+            return step
+
+    def _compared_summary(self, plan: Plan, summary: Fingerprint | None) -> Fingerprint | None:
+        """What ``plan`` computed, on the inputs the reference ran on (a step of its own on a slice)."""
+        if summary is None or not plan.checkpointed:
+            return summary
+        self.reference(plan)
+        if self.findings.samples is None:
+            return summary
+        return measured_step(self.model, self.compared_on, self.loss_fn, plan, self.backend, self.loop).summary
 
     def _differences(self, plan: Plan, summary: Fingerprint | None) -> list[str]:
         if summary is None or not plan.checkpointed:

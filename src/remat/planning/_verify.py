@@ -31,8 +31,9 @@ checkpoint replays the RNG, so on blocks that recompute the same function it com
 the un-checkpointed step's loss and gradients bit for bit. It is measured first, before
 any faster plan (the low-memory side first): if even it runs out of device memory, no
 plan can be verified and auto raises. When only nested plans reach the budget it is
-still run, over the budget, since a nested segment that computes another function
-cannot be told apart without it (the one case auto holds more than the budget).
+over the budget itself, yet a nested segment that computes another function cannot be
+told apart without it: it then runs on a slice of the batch, and so does each plan's
+comparison (NOTE [A reference on a slice of the batch] in remat.planning._sub_batch).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from remat.core._loop import Loop
 from remat.core._policy_registry import KEEP
 from remat.core.measure import device_of
 from remat.errors import RematError
-from remat.planning._candidates import Candidates, Findings
+from remat.planning._candidates import Candidates, Findings, Unreachable
 from remat.planning._compiled import chain_profile, design, fit, is_chain
 from remat.planning._gpu_room import reserved_note
 from remat.planning._put import put, remove
@@ -56,16 +57,12 @@ from remat.planning.plan import Plan, parse_budget
 from remat.planning.plan import plan as make_plan
 from remat.profiling._format import human_bytes
 
-__all__ = ["Unreachable", "verified_plan"]
+__all__ = ["verified_plan"]
 
 log = logging.getLogger("remat")
 
 #: Re-plans ``auto`` makes with a measured margin before it gives up.
 REPLANS = 2
-
-
-class Unreachable(RematError):
-    """No plan on this profile reaches the budget (predicted, or measured by auto's verification)."""
 
 
 def _compiled_profile(
@@ -218,9 +215,12 @@ def _reference_first(candidates: Candidates, limit: int) -> None:
         if candidates.reference_plan is None:
             raise RuntimeError("reference() sets its plan before it runs a step") from None
         predicted = candidates.reference_plan.predicted_peak_bytes
+        samples = candidates.findings.samples
         found = (
             f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
-            f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)})"
+            f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)}"
+            + ("" if samples is None else f" on the whole batch; it ran out on {samples} sample(s) too")
+            + ")"
         )
         if predicted <= limit:  # the step fits the budget; what sat beside it did not
             raise Unreachable(_beside_the_step(limit, found, candidates)) from None

@@ -25,10 +25,10 @@ from remat.core._user_errors import require_module
 from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._budget import ACCEPTED_BUDGETS
-from remat.planning._candidates import Findings
+from remat.planning._candidates import Findings, Unreachable
 from remat.planning._gpu_room import Room, room_on
 from remat.planning._put import put, remove
-from remat.planning._verify import Unreachable, verified_plan
+from remat.planning._verify import verified_plan
 from remat.planning._within import device_target, profile_within
 from remat.planning.plan import Plan, parse_budget
 from remat.planning.plan import plan as make_plan

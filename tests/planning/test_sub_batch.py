@@ -1,0 +1,152 @@
+"""auto below every one-level plan, on a device that fits only nested ones: its reference runs on a slice.
+
+NOTE [A reference on a slice of the batch] in remat.planning._sub_batch.
+"""
+
+import logging
+
+import pytest
+import torch
+from _device import SimulatedDevice, resting
+from test_verify import Block, Collects, _untouched
+from torch import nn
+
+import remat
+from remat.planning import _candidates
+from remat.planning import apply as apply_module
+from remat.planning._sub_batch import batch_size, reference_batch, sliced
+from remat.profiling import _assemble
+
+
+class Looped(nn.Module):
+    """Seed 002's model: one parameter, a function of small ops looped in ``forward``, no submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(24):
+            for _ in range(4):
+                x = x + self.a
+            x = x.tanh()
+        return x
+
+
+def _chain():
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(12))), torch.randn(32, 32, 32)
+
+
+def _looped():
+    torch.manual_seed(0)
+    return Looped(), torch.randn(64, 128)
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), out
+
+
+def _floors(model, x):
+    prof = remat.profile(model, x, fake=True, target="cpu")
+    nested = remat.plan(prof, strategy="none").min_peak_bytes
+    return nested, remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+
+
+@pytest.mark.parametrize("build", [_chain, _looped], ids=["chain", "seed-002"])
+def test_a_device_only_nested_plans_fit_gets_a_verified_plan_within_it(build):
+    model, x = build()
+    nested, one_level = _floors(model, x)
+    assert nested < one_level
+    budget = (nested + one_level) // 2
+    loss, reference = _grads(model, x)
+    device = SimulatedDevice(budget, resting(model, x))
+    with device:
+        plan = remat.auto(model, x, budget, repeat=1, warmup=0)
+    try:
+        assert plan.segments and device.peak <= budget and not device.refused, (device.peak, budget)
+        assert plan.measured_peak_bytes <= budget
+        assert any("on the first" in n and "samples" in n for n in plan.notes), plan.notes
+        assert any(n.startswith("Verified:") and "on the first" in n for n in plan.notes), plan.notes
+        got_loss, got = _grads(model, x)
+        assert torch.equal(loss, got_loss) and all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)
+
+
+def test_without_a_slice_the_reference_runs_out_where_only_nested_plans_fit(monkeypatch):
+    # What the slice is for: the whole batch's reference does not fit the same device.
+    monkeypatch.setattr(_candidates, "reference_batch", lambda *args: None)
+    model, x = _looped()
+    nested, one_level = _floors(model, x)
+    budget = (nested + one_level) // 2
+    device = SimulatedDevice(budget, resting(model, x))
+    with device, pytest.raises(remat.RematError, match="ran out of device memory") as err:
+        remat.auto(model, x, budget, repeat=1, warmup=0)
+    assert "not compared on a slice" not in str(err.value) and device.refused
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_nested_plan_that_computes_another_function_is_caught_on_the_slice(monkeypatch, caplog):
+    # The profile misses the parent's reads (as in test_verify); the comparison on the slice catches the segments.
+    torch.manual_seed(0)
+    model, x = Collects(), torch.randn(32, 32, 32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.setattr(_assemble, "_unchained", lambda *args: ())
+    prof = remat.profile(model, x, fake=True, target="cpu")
+    nested = remat.plan(prof, strategy="none").min_peak_bytes
+    one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    budget = (nested + one_level) // 2
+    monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
+    device = SimulatedDevice(budget, resting(model, x))
+    with caplog.at_level(logging.INFO, logger="remat"), device, pytest.raises(remat.RematError, match="cannot be met"):
+        remat.auto(model, x, budget)
+    assert any("changed the step's loss and gradients" in r.getMessage() for r in caplog.records)
+    assert device.peak <= budget and _untouched(model, before)
+
+
+def test_a_slice_that_runs_out_is_halved(monkeypatch):
+    model, x = _looped()
+    nested, one_level = _floors(model, x)
+    budget = (nested + one_level) // 2
+    asked = []
+
+    def too_many(batch, predicted, fixed, limit):  # the whole batch less one: over the device
+        asked.append(batch)
+        return batch - 1
+
+    monkeypatch.setattr(_candidates, "reference_batch", too_many)
+    device = SimulatedDevice(budget, resting(model, x))
+    with device:
+        plan = remat.auto(model, x, budget, repeat=1, warmup=0)
+    try:
+        assert asked == [64] and device.refused and device.peak <= budget
+        assert any("on the first 31 of the batch's 64 samples" in n for n in plan.notes), plan.notes
+    finally:
+        remat.remove(model)
+
+
+def test_the_batch_is_the_first_dimension_every_input_shares():
+    x, mask = torch.randn(4, 3), torch.ones(4, 7)
+    assert batch_size({"x": x, "mask": mask, "step": torch.tensor(3), "n": 2}) == 4
+    assert batch_size((x, torch.ones(5, 3))) is None  # a sequence-first input beside a batch-first one
+    assert batch_size((torch.tensor(1.0),)) is None
+    leaf = torch.randn(4, 3, requires_grad=True)
+    cut = sliced({"x": leaf, "step": torch.tensor(3)}, 2)
+    assert cut["x"].shape == (2, 3) and cut["x"].is_leaf and cut["x"].requires_grad
+    assert cut["x"].untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()  # a view: no new bytes
+    assert cut["step"].dim() == 0
+
+
+def test_the_slice_is_sized_for_the_budget_above_the_fixed_bytes():
+    # 1000 fixed bytes, 8000 more on 64 samples: 4000 of room (less a tenth) holds 28 samples
+    assert reference_batch(64, 9000, 1000, 5000) == 28
+    assert reference_batch(64, 4000, 1000, 5000) == 64  # the whole batch fits
+    assert reference_batch(64, 9000, 1000, 1000) is None  # no room above the fixed bytes
+    assert reference_batch(64, 9000, 1000, 1050) is None  # not one sample's worth
+    assert reference_batch(64, 9000, 1000, 8999) == 32  # at most half: a slice is only taken below the whole
