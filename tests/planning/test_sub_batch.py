@@ -38,6 +38,15 @@ def _chain():
     return nn.Sequential(*(Block() for _ in range(12))), torch.randn(32, 32, 32)
 
 
+def _vgg():
+    # one level saves nothing on single layers, and each ReLU(inplace=True) writes its input: nested plans only
+    torch.manual_seed(0)
+    layers = []
+    for c_in, c_out in ((3, 8), (8, 8), (8, 16)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)), torch.randn(8, 3, 32, 32)
+
+
 def _looped():
     torch.manual_seed(0)
     return Looped(), torch.randn(64, 128)
@@ -58,7 +67,7 @@ def _floors(model, x):
     return nested, remat.plan(prof, strategy="none", nested=False).min_peak_bytes
 
 
-@pytest.mark.parametrize("build", [_chain, _looped], ids=["chain", "seed-002"])
+@pytest.mark.parametrize("build", [_chain, _vgg, _looped], ids=["chain", "flat-conv", "seed-002"])
 def test_a_device_only_nested_plans_fit_gets_a_verified_plan_within_it(build):
     model, x = build()
     nested, one_level = _floors(model, x)

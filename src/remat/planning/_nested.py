@@ -38,16 +38,22 @@ A checkpointed call copies, before the write, each input its forward writes in p
 until its recomputation. A segment's region does so for the segment's input, and so
 does every region that begins at the same block (a sub-segment, the block itself when
 checkpointed), each with its own copy; a nested region also holds the written input
-itself. The walk counts one copy, the block's own under "full" (conv chain of
-ReLU(inplace=True) blocks: predicted 17% under the measured peak). The block before
-it, whose output it writes, ends a segment whose output is written after the segment
-(measured one output over the walk: 0.96% on a conv chain). So neither a block that
-writes its input (``BlockProfile.writes_input``) nor the one before it is ever inside
-a segment (``Costs.segmentable``); the profile says so in a note. A plan made
-by hand may still do it: the walk then counts, for such a writer, one copy of its input
-per region that holds it and one more (the written input itself), live from the
-outermost segment's forward to the end of the step: over by at most that many inputs
-(none to three on generated chains), never under.
+itself. A segment whose last block writes its input, or that ends before such a block
+(whose output the next block then writes after the segment), measured one to two inputs
+over the walk on a flat conv chain. Inside a segment, though, a writer whose input the
+segment made (the block before it in the same segments, both under keep) writes a tensor
+no region copies: ``Conv2d, BatchNorm2d, ReLU(inplace=True)`` repeated, segments from
+conv to conv, measured to the byte but for BatchNorm's buffers (below). So a segment
+never begins or ends at a block that writes its input (``BlockProfile.writes_input``)
+nor ends before one, and inside a segment such a block and the one before it are only
+``keep`` (``Costs.writes``); the profile says so in a note. A plan made by hand may still
+do otherwise: the walk then counts, for such a writer, one copy of its input per region
+that holds it and one more (the written input itself), live from the outermost segment's
+forward to the end of the step: over by at most that many inputs (none to three on
+generated chains), never under. The walk does not count the copies of BatchNorm buffers
+each segment keeps for its recomputation (their values as the forward saw them): under by
+those bytes, once per segment holding the norm (0.05% of a conv chain's nested floor),
+which auto's verification measures and plans around.
 
 NOTE [The nested DP]
 Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``
@@ -111,7 +117,7 @@ from typing import Any
 
 import numpy as np
 
-from remat.core._policy_registry import FULL, SELECTIVES
+from remat.core._policy_registry import FULL, KEEP, SELECTIVES
 from remat.planning._nested_walk import Costs, Node, extra_time, shared_storages, simulate
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
@@ -147,9 +153,17 @@ class _Recursion:
         self.c, self.f, self.P = c, f, ch.fwd_delta.shape[1]
         self.inside = c.inside if c.inside is not None else np.ones(self.P, dtype=bool)
         n = len(ch.blocks)
-        # span_ok[s, e]: blocks s..e-1 may form a segment (none of them writes its input)
-        barred = np.concatenate([[0], np.cumsum(~c.segmentable if c.segmentable is not None else np.zeros(n, bool))])
-        self.span_ok = barred[None, :] == barred[:, None]
+        # span_ok[s, e]: blocks s..e-1 may form a segment: it neither begins nor ends at a block that writes its
+        # input, nor ends before one (NOTE [Inputs written in place inside a segment])
+        writes = np.append(c.writes if c.writes is not None else np.zeros(n, bool), False)
+        ends_at_writer = np.append(False, writes[:-1])  # [e]: block e-1 writes its input
+        self.span_ok = ~writes[:, None] & ~writes[None, :] & ~ends_at_writer[None, :]
+        # inside_of[k]: the policies block k may take inside a segment; a writer and the block before it only keep
+        self.inside_of = np.tile(self.inside, (n, 1))
+        if KEEP in ch.policies:
+            self.inside_of[writes[:-1] | writes[1:]] = np.arange(self.P) == ch.policies.index(KEEP)
+        else:
+            self.inside_of[writes[:-1] | writes[1:]] = False
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]
@@ -231,7 +245,7 @@ class _Tables(_Recursion):
         ok = (m[None, :] >= self.FP[s, :, None]) & (
             m[None, :] >= (self.FD[s] + after + self.held[s] + self.BP[s])[:, None]
         )
-        ok &= (self.inside | top)[:, None]
+        ok &= (self.inside_of[s] | top)[:, None]
         by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
         options = [np.where(ok, by_policy, np.inf)]
         ks = np.arange(s + 2, stop + 1)
@@ -314,8 +328,7 @@ def costs_of(profile: Profile) -> Costs | None:
             holds[k] = [crossing.freed.get(p) == ("bwd", made_by, producer[2]) for p in ch.policies]
     fwd = np.array([by_name[b].fwd_time_s for b in ch.blocks])
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
-    writes = np.array([by_name[b].writes_input for b in ch.blocks] + [False])
-    segmentable = ~writes[:-1] & ~writes[1:]  # NOTE [Inputs written in place inside a segment]
+    writes = np.array([by_name[b].writes_input for b in ch.blocks])  # NOTE [Inputs written in place inside a segment]
     shared = shared_storages(profile, ch)
     return Costs(
         ch,
@@ -324,12 +337,12 @@ def costs_of(profile: Profile) -> Costs | None:
         ch.policies.index(FULL),
         holds,
         inside,
-        segmentable,
         chained,
         shared,
-        writes[:-1],
+        writes,
         _same_args(profile, ch),
         shared_storages(profile, ch, outputs=True),
+        by_name[ch.blocks[0]].input_bytes,
     )
 
 

@@ -84,8 +84,6 @@ class Costs:
     """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
     inside: np.ndarray | None = None
     """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
-    segmentable: np.ndarray | None = None
-    """[n]: the block may be inside a segment (NOTE [Inputs written in place inside a segment]); None: every one."""
     chained: np.ndarray | None = None
     """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
     may be inside a segment; None: every one."""
@@ -98,6 +96,8 @@ class Costs:
     segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
     outputs: tuple[Shared, ...] = field(default=())
     """The blocks' outputs, each run's free placed in the walk; ``receivers``: the block that made it."""
+    first_input: int = 0
+    """Bytes of the first block's input, made outside the chain."""
 
 
 @dataclass(frozen=True)
@@ -277,14 +277,37 @@ def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> di
     for k in map(int, np.flatnonzero(c.writes)):
         depth, outer = _segments_over(nodes, k)
         before, outer_before = _segments_over(nodes, k - 1) if k > 0 else (0, None)
-        if outer is None and outer_before is None:
+        if (outer is None and outer_before is None) or _written_inside(c, nodes, k):
             continue
         first = min(n.start for n in (outer, outer_before) if n is not None)
-        extra = (max(depth, before) + 1) * int(c.out[k - 1] if k > 0 else 0)
+        extra = (max(depth, before) + 1) * int(c.out[k - 1] if k > 0 else c.first_input)
         at = next(i for i, s in enumerate(steps) if s.place == ("fwd", first))
         d, least = out.get(at, (0, 0))
         out[at] = (d + extra, max(least, steps[at].peak + d + extra))
     return out
+
+
+def _leaf(nodes: tuple[Node, ...], k: int) -> tuple[list[Node], Node | None]:
+    """(the segments that hold block k, outermost first; its own node, None for a segment's last block)."""
+    path: list[Node] = []
+    while True:
+        holder = next((n for n in nodes if n.start <= k < (n.end if n.end is not None else n.start + 1)), None)
+        if holder is None or holder.end is None:
+            return path, holder
+        path.append(holder)
+        nodes = holder.children
+
+
+def _written_inside(c: Costs, nodes: tuple[Node, ...], k: int) -> bool:
+    """Block k writes its input inside every segment that holds it, which all hold block k-1 too, and neither
+    block is a region of its own or a segment's last (both under keep): the write is on a tensor the segments
+    made, so no region copies it (NOTE [Inputs written in place inside a segment] in remat.planning._nested)."""
+    if k == 0 or KEEP not in c.chain.policies:
+        return False
+    keep = c.chain.policies.index(KEEP)
+    (held, own), (held_before, own_before) = _leaf(nodes, k), _leaf(nodes, k - 1)
+    same = bool(held) and len(held) == len(held_before) and all(a is b for a, b in zip(held, held_before))
+    return same and all(node is not None and node.policy == keep for node in (own, own_before))
 
 
 def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:

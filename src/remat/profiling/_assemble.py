@@ -76,8 +76,9 @@ def assemble(
         notes = [
             *notes,
             f"blocks {', '.join(writers[:4])}{' ...' if len(writers) > 4 else ''} write their input in "
-            "place: nested plans leave them and the blocks before them out of segments (NOTE [Inputs "
-            "written in place inside a segment] in remat.planning._nested).",
+            "place: nested segments neither begin nor end at them, nor end before them, and hold them and "
+            "the blocks before them under keep (NOTE [Inputs written in place inside a segment] in "
+            "remat.planning._nested).",
         ]
     step_time = sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
     return Profile(
