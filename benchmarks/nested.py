@@ -7,6 +7,7 @@ nested floor, with the one-level floor and the every-block-full point among them
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv [--rounds 9] [--at 58.7]
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model conv-flat   # the same, single layers
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vgg-flat    # and ReLU(inplace=True)
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2   # any zoo name
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model vit --set layers=6 --set batch=2
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/nested.py --model gpt2 --fine   # also policy full-fine
@@ -35,11 +36,15 @@ from remat.planning._nested import MAX_BLOCKS
 from remat.planning._nested_plan import nested_floor
 
 
-def conv_chain(channels: int = 64, blocks: int = 8) -> nn.Sequential:
+def conv_chain(channels: int = 64, blocks: int = 8, inplace: bool = False) -> nn.Sequential:
     """A stem and ``blocks`` conv-BN-ReLU blocks: the chain remat's nested plans are set beside rotor's on."""
     layers: list[nn.Module] = [nn.Conv2d(3, channels, 3, padding=1)]
     for _ in range(blocks):
-        layers.append(nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()))
+        layers.append(
+            nn.Sequential(
+                nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(inplace=inplace)
+            )
+        )
     return nn.Sequential(*layers)
 
 
@@ -52,13 +57,16 @@ def _setup(name: str, options: dict[str, int]) -> tuple[str, nn.Module, Any, Any
             torch.randn(8, 3, 64, 64),
             None,
         )
-    if name == "conv-flat":  # the same chain as rotor takes it: one flat Sequential of single layers
+    if name in ("conv-flat", "vgg-flat"):  # the same chain as rotor takes it: one flat Sequential of single layers
         torch.manual_seed(0)
+        inplace = name == "vgg-flat"  # as torchvision's VGG writes it: each ReLU writes the BatchNorm's output
+        chain = conv_chain(inplace=inplace)
         flat = nn.Sequential(
-            *(layer for block in conv_chain() for layer in (block if isinstance(block, nn.Sequential) else [block]))
+            *(layer for block in chain for layer in (block if isinstance(block, nn.Sequential) else [block]))
         )
+        relu = "ReLU(inplace=True)" if inplace else "ReLU"
         return (
-            "conv chain written flat (25 single layers, 64 ch, 64x64, batch 8)",
+            f"conv chain written flat (25 single layers, {relu}, 64 ch, 64x64, batch 8)",
             flat,
             torch.randn(8, 3, 64, 64),
             None,
