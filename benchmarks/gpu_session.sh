@@ -22,7 +22,8 @@ python -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
 case $stage in
   tests)
     cuda_tests=(tests/core/test_cuda_gradients.py tests/profiling/test_cuda_profile.py
-      tests/profiling/test_fsdp_fake.py tests/planning/test_fit.py tests/core/test_compiled.py
+      tests/profiling/test_fsdp_fake.py tests/planning/test_fit.py tests/planning/test_sub_batch.py
+      tests/core/test_compiled.py
       tests/core/test_measure.py tests/core/test_rng.py tests/cli/test_cli.py)
     python -m pytest -q -rs -p no:cacheprovider "${cuda_tests[@]}" 2>&1 | tee -a "$out/$stage.log"
     ;;

@@ -329,3 +329,18 @@ def ctrl_c_while_restoring_rng(monkeypatch, start):
         set_rng_state(state)
 
     monkeypatch.setattr(torch, "set_rng_state", interrupted)
+
+
+@pytest.fixture
+def on_a_smaller_gpu(monkeypatch):
+    """Deterministic CUDA kernels, and ``cap(bytes)``: the allocator refuses more than that until the test ends."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    def cap(limit):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+
+    yield cap
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.empty_cache()

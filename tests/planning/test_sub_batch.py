@@ -159,3 +159,35 @@ def test_the_slice_is_sized_for_the_budget_above_the_fixed_bytes():
     assert reference_batch(64, 9000, 1000, 1000) is None  # no room above the fixed bytes
     assert reference_batch(64, 9000, 1000, 1050) is None  # not one sample's worth
     assert reference_batch(64, 9000, 1000, 8999) == 32  # at most half: a slice is only taken below the whole
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_only_nested_plans_fit_gets_a_verified_plan_within_it(on_a_smaller_gpu):
+    # A VGG-style flat chain of tens of MiB (the caching allocator's rounding small beside it), deterministic
+    # kernels (no adaptive pooling, whose CUDA backward is not), capped between its nested and one-level floors.
+    torch.manual_seed(0)
+    layers = []
+    for c_in, c_out in ((3, 32), (32, 32), (32, 64), (64, 64)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+    model = nn.Sequential(*layers, nn.Conv2d(64, 1, 1), nn.Flatten(), nn.Linear(64 * 64, 10)).cuda()
+    x = torch.randn(16, 3, 64, 64, device="cuda")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        loss, reference = _grads(model, x)
+        prof = remat.profile(model, x, repeat=1, warmup=0)
+        nested = remat.plan(prof, strategy="none").min_peak_bytes
+        one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+        budget = (nested + one_level) // 2
+        on_a_smaller_gpu(budget + (budget >> 5))
+        plan = remat.auto(model, x, budget, repeat=1, warmup=0)
+        try:
+            assert torch.cuda.max_memory_allocated() <= budget + (budget >> 5)
+            assert plan.segments and plan.measured_peak_bytes <= budget
+            assert any("on the first" in n for n in plan.notes), plan.notes
+            got_loss, got = _grads(model, x)
+            assert torch.equal(loss, got_loss) and all(torch.equal(reference[n], got[n]) for n in reference)
+        finally:
+            remat.remove(model)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
