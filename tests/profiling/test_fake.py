@@ -72,14 +72,14 @@ def test_ctrl_c_in_a_fake_profile_leaves_everything_as_it_was(monkeypatch, swap,
     optimizer.step()  # a state to swap out and back
     untouched = UntouchedByCtrlC(model, optimizer)
     params = dict(model.named_parameters())
-    calls, fake_like = itertools.count(), _fake._fake_like
+    calls, fake_like = itertools.count(), _fake.fake_like
 
     def interrupted(mode, t):
         if next(calls) == swap:
             raise KeyboardInterrupt
         return fake_like(mode, t)
 
-    monkeypatch.setattr(_fake, "_fake_like", interrupted)
+    monkeypatch.setattr(_fake, "fake_like", interrupted)
     untouched.check(
         lambda: remat.profile(model, x, blocks=["blocks.0", "blocks.2"], optimizer=optimizer, fake=True, target="a100")
     )

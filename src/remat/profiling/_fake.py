@@ -56,12 +56,12 @@ from remat.profiling._workspace import Workspace
 from remat.profiling.targets import Target
 
 
-def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+def fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     with mode:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
-class _FakeWeights:
+class FakeWeights:
     """Swaps every parameter and buffer for a fake twin; puts the originals back on exit.
 
     A tensor held by several modules (tied embedding and output weights) gets one
@@ -97,7 +97,7 @@ class _FakeWeights:
                     self.saved.append((store, name, t))
                     if id(t) not in twins:
                         fake = dtensor_twin(self.mode, t.data if isinstance(t, nn.Parameter) else t)
-                        fake = _fake_like(self.mode, t) if fake is None else fake
+                        fake = fake_like(self.mode, t) if fake is None else fake
                         twins[id(t)] = (
                             nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
                         )
@@ -158,9 +158,9 @@ def _trace(
             return t
         # Its gradient is the step's memory too (NOTE [Each step's inputs are fresh] in remat.core._step):
         # a leaf's is kept to the end of the step, a non-leaf's (here a view) used and freed.
-        fake = _fake_like(mode, t).requires_grad_(t.requires_grad)
+        fake = fake_like(mode, t).requires_grad_(t.requires_grad)
         if t.is_leaf and t.grad is not None:
-            fake.grad = _fake_like(mode, t.grad)
+            fake.grad = fake_like(mode, t.grad)
         elif not t.is_leaf:
             with mode:
                 fake = fake.view_as(fake)
@@ -175,7 +175,7 @@ def _trace(
     ledgers: dict[str, Ledger] = {}
     with (
         restoring("remat.profile", switch.restore),
-        _FakeWeights(model, mode, loop.optimizer),
+        FakeWeights(model, mode, loop.optimizer),
         cache_disabled(model),
         _target_kernels(target, gpu_path),
         young_collections(full=False),  # fake tensors hold no device memory

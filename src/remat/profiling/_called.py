@@ -1,0 +1,81 @@
+"""Units from the execution: the modules a forward calls more than once.
+
+NOTE [Units from the execution]
+Units come from the module tree first (NOTE [Units] in remat.profiling._blocks): it needs no
+run, and a module called once per layer is what it finds. A model whose tree repeats nothing
+but whose forward calls one module again and again (ALBERT's one layer group applied at every
+layer, a weight-tied recurrence, a block looped in ``forward``) has its units in the execution
+instead. When the tree gives none, one forward runs on fake tensors (no memory, no gradient)
+with a pre-hook on every module that has submodules; the units are the top-most modules it
+called two or more times (none inside another). Each is one block called several times, which
+the profile, the planner and the checkpoint already handle (``BlockProfile.calls``): a policy
+applies to every call. A forward that fake tensors cannot run finds none here, and the traced
+cut is tried as before (NOTE [Cutting a traced forward] in remat.profiling._traced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from remat.core._hf import cache_disabled, fake_tensors_untraced
+from remat.core._step import call_model
+from remat.core._typing import Inputs
+from remat.profiling._fake import FakeWeights, fake_like
+from remat.profiling._shadow import ValueShadows
+
+__all__ = ["called_more_than_once"]
+
+
+def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | None) -> list[str]:
+    """The top-most modules with submodules that one forward of ``model`` calls two or more times, in registration
+    order (NOTE [Units from the execution]); [] when there are none or fake tensors cannot run the forward."""
+    names = {id(m): n for n, m in model.named_modules() if n and next(m.children(), None) is not None}
+    counts: Counter[str] = Counter()
+    hooks = [
+        m.register_forward_pre_hook(lambda module, _args: counts.update([names[id(module)]]))
+        for m in model.modules()
+        if id(m) in names
+    ]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        if training is not None:
+            model.train(training)
+        _fake_forward(model, inputs)
+    except Exception:  # the model's own error, or fake tensors' refusal: the traced cut says why, if it fails too
+        return []
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    repeated = [n for n in names.values() if counts[n] >= 2]
+    return [n for n in repeated if not any(n.startswith(outer + ".") for outer in repeated)]
+
+
+def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shadows = ValueShadows()  # small tensors keep real values: a Hugging Face mask or position ids
+
+    def fake_input(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        fake = fake_like(mode, t)
+        shadows.seed(fake, t)
+        return fake
+
+    fake_inputs = tree_map(fake_input, inputs)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(FakeWeights(model, mode, None))
+        stack.enter_context(cache_disabled(model))
+        stack.enter_context(fake_tensors_untraced())
+        stack.enter_context(mode)
+        stack.enter_context(shadows)
+        stack.enter_context(torch.no_grad())
+        call_model(model, fake_inputs)

@@ -1,0 +1,105 @@
+"""Units from the execution: a module the forward calls again and again is a block called several times.
+
+NOTE [Units from the execution] in remat.profiling._called.
+"""
+
+import pytest
+import torch
+from _device import SimulatedDevice, resting
+from torch import nn
+
+import remat
+from remat.core._step import input_tensors
+from remat.profiling._called import called_more_than_once
+
+
+class Recurrent(nn.Module):
+    """One weight-tied cell applied ``steps`` times: the tree repeats nothing, the execution does."""
+
+    def __init__(self, d: int = 64, steps: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.cell = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, 1)
+        self.steps = steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(self.steps):
+            h = h + self.cell(h)
+        return self.head(h).square().mean()
+
+
+def _albert():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.AlbertConfig(
+        vocab_size=64,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    ids = torch.randint(0, 64, (4, 16))
+    return tf.AlbertForMaskedLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def _grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    loss = out.loss if hasattr(out, "loss") else out
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_the_top_most_module_called_more_than_once_is_the_unit():
+    torch.manual_seed(0)
+    model, x = Recurrent(), torch.randn(8, 32, 16)
+    before = [p.detach().clone() for p in model.parameters()]
+    # the cell is called 6 times; its layers too, but they are inside it; embed and head once
+    assert called_more_than_once(model, x, training=True) == ["cell"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and model.training
+    assert called_more_than_once(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), training=True) == []
+
+
+def test_a_forward_that_fails_finds_no_units_and_leaves_no_hook():
+    torch.manual_seed(0)
+    model = Recurrent()
+    assert called_more_than_once(model, torch.randn(8, 32, 15), training=True) == []  # the wrong width
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_flat_chain_called_once_keeps_its_layers():
+    # The tree's fallback (single layers of the top-most chain) stands unless a looped module holds them all.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 1))
+    prof = remat.profile(model, torch.randn(8, 16), repeat=1, warmup=0)
+    assert [b.name for b in prof.blocks] == ["0", "1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("build", [lambda: (Recurrent(), torch.randn(8, 32, 16)), _albert], ids=["tied", "albert"])
+def test_a_model_that_calls_one_module_at_every_layer_gets_a_verified_plan_within_a_device(build):
+    torch.manual_seed(0)
+    model, inputs = build()
+    prof = remat.profile(model, inputs, repeat=1, warmup=0)
+    (block,) = prof.blocks
+    assert block.calls >= 3 and block.saved_bytes["full"] < block.saved_bytes["keep"]
+    loss, reference = _grads(model, inputs)
+    keep = prof.baseline_peak_bytes
+    budget = int(0.7 * keep)
+    device = SimulatedDevice(budget, resting(model, *input_tensors(inputs)))
+    with device:
+        plan = remat.auto(model, inputs, budget, repeat=1, warmup=0)
+    try:
+        assert plan.checkpointed == {block.name: plan.assignment[block.name]} and device.peak <= budget
+        assert plan.measured_peak_bytes <= plan.predicted_peak_bytes <= budget
+        assert remat.measure(model, inputs, repeat=1, warmup=0).peak_bytes <= budget
+        got_loss, got = _grads(model, inputs)
+        assert torch.equal(loss, got_loss) and all(torch.equal(reference[n], got[n]) for n in reference)
+    finally:
+        remat.remove(model)
