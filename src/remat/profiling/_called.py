@@ -9,8 +9,11 @@ instead. When the tree gives none, one forward runs on fake tensors (no memory, 
 with a pre-hook on every module that has submodules; the units are the top-most modules it
 called two or more times (none inside another). Each is one block called several times, which
 the profile, the planner and the checkpoint already handle (``BlockProfile.calls``): a policy
-applies to every call. A forward that fake tensors cannot run finds none here, and the traced
-cut is tried as before (NOTE [Cutting a traced forward] in remat.profiling._traced).
+applies to every call. A forward fake tensors cannot run (it reads a tensor's values:
+transformers 4.x's padding check) runs for real where the profile is real anyway, without
+gradients (less than the profile's own steps hold) and with the model's state and RNG put back;
+a fake profile finds none here. With none, the traced cut is tried as before (NOTE [Cutting a
+traced forward] in remat.profiling._traced).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from remat.core._hf import cache_disabled, fake_tensors_untraced
+from remat.core._state import capture, restoring
 from remat.core._step import call_model
 from remat.core._typing import Inputs
 from remat.profiling._fake import FakeWeights, fake_like
@@ -33,9 +37,10 @@ from remat.profiling._shadow import ValueShadows
 __all__ = ["called_more_than_once"]
 
 
-def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | None) -> list[str]:
+def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | None, real: bool = False) -> list[str]:
     """The top-most modules with submodules that one forward of ``model`` calls two or more times, in registration
-    order (NOTE [Units from the execution]); [] when there are none or fake tensors cannot run the forward."""
+    order (NOTE [Units from the execution]); [] when there are none or the forward fails (on fake tensors, and with
+    ``real`` on real ones too)."""
     names = {id(m): n for n, m in model.named_modules() if n and next(m.children(), None) is not None}
     counts: Counter[str] = Counter()
     hooks = [
@@ -47,7 +52,13 @@ def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | 
     try:
         if training is not None:
             model.train(training)
-        _fake_forward(model, inputs)
+        try:
+            _fake_forward(model, inputs)
+        except Exception:
+            if not real:
+                raise
+            counts.clear()
+            _real_forward(model, inputs)
     except Exception:  # the model's own error, or fake tensors' refusal: the traced cut says why, if it fails too
         return []
     finally:
@@ -79,3 +90,9 @@ def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
         stack.enter_context(shadows)
         stack.enter_context(torch.no_grad())
         call_model(model, fake_inputs)
+
+
+def _real_forward(model: nn.Module, inputs: Inputs) -> None:
+    state = capture(model, "remat.profile", parameters=False)  # buffers (BatchNorm statistics), modes, RNG
+    with restoring("remat.profile", state.restore), cache_disabled(model), torch.no_grad():
+        call_model(model, inputs)

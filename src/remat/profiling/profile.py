@@ -92,7 +92,7 @@ def profile(
         accumulation_steps=accumulation_steps,
     )
     if blocks in (None, "auto", "coarse", "fine"):  # NOTE [Units from the execution]
-        names = _units_from_the_execution(model, inputs, names, training)
+        names = _units_from_the_execution(model, inputs, names, training, real=not fake)
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
         return _traced_profile(model, inputs, loss_fn, options, suggest_blocks(model))
     prof = _module_profile(model, inputs, loss_fn, names, **options)
@@ -106,7 +106,9 @@ def profile(
     return cut if freeable_bytes(cut) > freeable_bytes(prof) else prof
 
 
-def _units_from_the_execution(model: Any, inputs: Any, names: list[str], training: bool | None) -> list[str]:
+def _units_from_the_execution(
+    model: Any, inputs: Any, names: list[str], training: bool | None, *, real: bool
+) -> list[str]:
     """The modules the forward calls more than once, where the tree gave no units or only single layers that all
     sit inside them (a looped cell's own layers); else ``names`` (NOTE [Units from the execution])."""
     from remat.profiling._called import called_more_than_once
@@ -114,7 +116,7 @@ def _units_from_the_execution(model: Any, inputs: Any, names: list[str], trainin
     modules = dict(model.named_modules())
     if any(next(modules[n].children(), None) is not None for n in names):
         return names  # units with layers of their own: the tree's levels stand
-    called = called_more_than_once(model, inputs, training=training)
+    called = called_more_than_once(model, inputs, training=training, real=real)
     inside = all(any(n.startswith(unit + ".") for unit in called) for n in names)
     return called if called and inside else names
 
