@@ -45,9 +45,15 @@ class Findings:
     """What was found, for the plan's notes."""
     compared_with: str = "the step without checkpointing"
     """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
-    samples: int | None = None
-    """The first samples of the batch the compared steps run on; None: the whole batch (NOTE [A reference on a
-    slice of the batch])."""
+    samples: tuple[int, int] | None = None
+    """(the first samples of the batch the compared steps run on, the batch's samples); None: the whole batch
+    (NOTE [A reference on a slice of the batch])."""
+
+    def compared(self) -> str:
+        """The step verified plans are compared with, and on which samples."""
+        if self.samples is None:
+            return self.compared_with
+        return f"{self.compared_with}, on the first {self.samples[0]} of the batch's {self.samples[1]} samples"
 
 
 def _blocks_of(names: list[str], blocks: list[str]) -> list[str]:
@@ -94,7 +100,7 @@ class Candidates:
         """The CUDA allocator's reserved peak of each plan measured on CUDA, by its index in ``tried``."""
         self.reference_plan: Plan | None = None
         """The plan whose step verified plans are compared with (None: the step without checkpointing)."""
-        self.compared_on: Any = inputs if findings.samples is None else sliced(inputs, findings.samples)
+        self.compared_on: Any = inputs if findings.samples is None else sliced(inputs, findings.samples[0])
         """The inputs of the steps compared: ``inputs``, or its first ``findings.samples``."""
 
     @property
@@ -152,7 +158,7 @@ class Candidates:
             remove(self.model)
             raise RematError(
                 f"remat.auto: with blocks {', '.join(sorted(plan.checkpointed))} checkpointed, the verified step's "
-                f"{_what(differ)} differed from {self.findings.compared_with} (first: {differ[0]}"
+                f"{_what(differ)} differed from {self.findings.compared()} (first: {differ[0]}"
                 f"{'; gradients of ' + ', '.join(blocks) if blocks else ''}), so the plan would train another "
                 "function. The model was left without checkpointing. Check these blocks for randomness torch's "
                 "generators do not drive, or Python state their forward changes, then call again; "
@@ -209,7 +215,7 @@ class Candidates:
         if below:
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
-                f"the budget: verified plans were compared with {self.findings.compared_with} instead{over}."
+                f"the budget: verified plans were compared with {self.findings.compared()} instead{over}."
             )
         self.findings.reference = step.summary
         return step.summary
@@ -226,18 +232,14 @@ class Candidates:
         if batch is None or b is None:
             why = "its inputs have no common batch dimension" if batch is None else "even one sample is predicted over"
             return f" (predicted {human_bytes(predicted)}, over the budget, and not compared on a slice: {why})"
-        self._compare_on(b)
+        self._compare_on(b, batch)
         return (
             f" (predicted {human_bytes(predicted)} on the whole batch of {batch}, over the budget: each plan's loss, "
             "gradients and buffers are compared on that slice, its peak measured on the whole batch)"
         )
 
-    def _compare_on(self, b: int) -> None:
-        batch, before = batch_size(self.inputs), self.findings.samples
-        self.findings.samples, self.compared_on = b, sliced(self.inputs, b)
-        said = f", on the first {before} of the batch's {batch} samples"
-        self.findings.compared_with = self.findings.compared_with.replace(said, "")
-        self.findings.compared_with += f", on the first {b} of the batch's {batch} samples"
+    def _compare_on(self, b: int, batch: int) -> None:
+        self.findings.samples, self.compared_on = (b, batch), sliced(self.inputs, b)
 
     def _reference_step(self, keep: Plan) -> Step:
         """The reference step; on a slice that runs out of memory, again on half the slice."""
@@ -245,9 +247,10 @@ class Candidates:
             try:
                 step = measured_step(self.model, self.compared_on, self.loss_fn, keep, None, self.loop)
             except OutOfMemory:
-                if self.findings.samples is None or self.findings.samples == 1:
+                if self.findings.samples is None or self.findings.samples[0] == 1:
                     raise
-                self._compare_on(self.findings.samples // 2)
+                b, batch = self.findings.samples
+                self._compare_on(b // 2, batch)
                 continue
             if self.findings.samples is None:  # a slice's peak is not the plan's
                 self._tried(keep, step)
@@ -271,7 +274,7 @@ class Candidates:
         differ = [] if reference is None else reference.differences(summary, exact=exact)
         if not differ:
             same = "bit for bit" if exact else "within the tolerance of non-deterministic kernels"
-            note = f"Verified: loss, gradients and buffers equal {self.findings.compared_with} ({same})."
+            note = f"Verified: loss, gradients and buffers equal {self.findings.compared()} ({same})."
             if note not in self.findings.notes:
                 self.findings.notes.append(note)
         return differ

@@ -160,10 +160,7 @@ class _Recursion:
         self.span_ok = ~writes[:, None] & ~writes[None, :] & ~ends_at_writer[None, :]
         # inside_of[k]: the policies block k may take inside a segment; a writer and the block before it only keep
         self.inside_of = np.tile(self.inside, (n, 1))
-        if KEEP in ch.policies:
-            self.inside_of[writes[:-1] | writes[1:]] = np.arange(self.P) == ch.policies.index(KEEP)
-        else:
-            self.inside_of[writes[:-1] | writes[1:]] = False
+        self.inside_of[writes[:-1] | writes[1:]] = np.array([p == KEEP for p in ch.policies])
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]

@@ -219,7 +219,7 @@ def _reference_first(candidates: Candidates, limit: int) -> None:
         found = (
             f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
             f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)}"
-            + ("" if samples is None else f" on the whole batch; it ran out on {samples} sample(s) too")
+            + ("" if samples is None else f" on the whole batch; it ran out on {samples[0]} sample(s) too")
             + ")"
         )
         if predicted <= limit:  # the step fits the budget; what sat beside it did not

@@ -30,7 +30,7 @@ from remat.errors import RematError
 _MIN_AUTO_BLOCKS = 8
 
 
-def _is_leaf(module: nn.Module) -> bool:
+def is_leaf(module: nn.Module) -> bool:
     return next(module.children(), None) is None
 
 
@@ -55,7 +55,7 @@ def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The units at this level (NOTE [Units]): repeated non-leaf children (with every non-leaf child of a
     chain), else two or more non-leaf children of lists (a U-Net's unique stages) with their siblings."""
     children = _callable_children(module)
-    inner = [(n, c, listed) for n, c, listed in children if not _is_leaf(c)]
+    inner = [(n, c, listed) for n, c, listed in children if not is_leaf(c)]
     counts = Counter(type(c) for _, c, _ in inner)
     if any(k >= 2 for k in counts.values()):
         picked = {n for n, c, listed in inner if counts[type(c)] >= 2 or listed}
@@ -110,7 +110,7 @@ def _holds_all_parameters(block: nn.Module, inner: list[nn.Module]) -> bool:
     those would leave the attention outside every block."""
     held = {id(p) for module in inner for p in module.parameters()}
     return bool(inner) and all(
-        id(p) in held for child in block.children() if not _is_leaf(child) for p in child.parameters()
+        id(p) in held for child in block.children() if not is_leaf(child) for p in child.parameters()
     )
 
 
@@ -173,7 +173,7 @@ def check_block_modules(model: nn.Module, names: Iterable[str], *, api: str) -> 
     modules = dict(model.named_modules())
     for name in names:
         module = modules.get(name)
-        if module is not None and _is_leaf(module) and type(module).__module__ in _SINGLE_OP_LAYERS:
+        if module is not None and is_leaf(module) and type(module).__module__ in _SINGLE_OP_LAYERS:
             parent = name.rpartition(".")[0]
             raise RematError(
                 f"{api}: block {name!r} is a lone {type(module).__name__}, a single-op torch layer: its own backward "
@@ -188,7 +188,7 @@ def _lone_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         children = list(module.named_children())
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) == 1 and not _is_leaf(children[0][1]):
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) == 1 and not is_leaf(children[0][1]):
             if not any(name.startswith(f"{outer}.") for outer, _ in found):
                 found.append((f"{name}.{children[0][0]}" if name else children[0][0], children[0][1]))
     return found
@@ -204,7 +204,7 @@ def suggest_blocks(model: nn.Module) -> str:
             f"shared across depth (ALBERT): blocks=[{name!r}] checkpoints it, each call recomputed in backward"
         )
     sizes = sorted(
-        ((sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules() if n and not _is_leaf(m)),
+        ((sum(p.numel() for p in m.parameters()), n) for n, m in model.named_modules() if n and not is_leaf(m)),
         reverse=True,
     )
     return f", e.g. {[n for _, n in sizes[:3]]}" if sizes else ""

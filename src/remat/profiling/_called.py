@@ -31,6 +31,7 @@ from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._state import capture, restoring
 from remat.core._step import call_model
 from remat.core._typing import Inputs
+from remat.profiling._blocks import is_leaf
 from remat.profiling._fake import FakeWeights, fake_like
 from remat.profiling._shadow import ValueShadows
 
@@ -41,7 +42,7 @@ def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | 
     """The top-most modules with submodules that one forward of ``model`` calls two or more times, in registration
     order (NOTE [Units from the execution]); [] when there are none or the forward fails (on fake tensors, and with
     ``real`` on real ones too)."""
-    names = {id(m): n for n, m in model.named_modules() if n and next(m.children(), None) is not None}
+    names = {id(m): n for n, m in model.named_modules() if n and not is_leaf(m)}
     counts: Counter[str] = Counter()
     hooks = [
         m.register_forward_pre_hook(lambda module, _args: counts.update([names[id(module)]]))

@@ -111,11 +111,14 @@ def _units_from_the_execution(
 ) -> list[str]:
     """The modules the forward calls more than once, where the tree gave no units or only single layers that all
     sit inside them (a looped cell's own layers); else ``names`` (NOTE [Units from the execution])."""
+    from remat.profiling._blocks import is_leaf
     from remat.profiling._called import called_more_than_once
 
     modules = dict(model.named_modules())
-    if any(next(modules[n].children(), None) is not None for n in names):
+    if not all(is_leaf(modules[n]) for n in names):
         return names  # units with layers of their own: the tree's levels stand
+    if not all("." in n for n in names):
+        return names  # a layer of the model itself sits inside no module but the model: nothing to run
     called = called_more_than_once(model, inputs, training=training, real=real)
     inside = all(any(n.startswith(unit + ".") for unit in called) for n in names)
     return called if called and inside else names
