@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -247,6 +248,8 @@ def gpu_part(files: list[str], configs: list[str] | None, device: str = "cuda", 
                     f"{err(plan.predicted_peak_bytes, m.peak_bytes)} | {fits} | "
                     f"{1 + plan.predicted_overhead:.3f} | {m.step_time_s / base:.3f} |"
                 )
+        # A run stopped at its time limit prints no table: each row goes to stderr as it is measured.
+        print("\n".join(budget_rows[-2 * len(BUDGETS) :]), file=sys.stderr, flush=True)
         del zoo
         if device == "cuda":
             torch.cuda.empty_cache()

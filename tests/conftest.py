@@ -2,6 +2,7 @@ import copy
 import itertools
 import pathlib
 import signal
+import traceback
 import warnings
 
 import pytest
@@ -329,6 +330,32 @@ def ctrl_c_while_restoring_rng(monkeypatch, start):
         set_rng_state(state)
 
     monkeypatch.setattr(torch, "set_rng_state", interrupted)
+
+
+def gpu_for(budget: int) -> int:
+    """The GPU a plan of ``budget`` allocated bytes is made for: the budget and the share ``budget=None`` leaves the
+    caching allocator (NOTE [Fitting a device]): it reserves whole segments (20 MiB for blocks of 1 to 10 MiB), so a
+    step's reserved peak runs above its allocated one by up to a segment, whatever the model's size."""
+    from remat.planning._gpu_room import FRAGMENTATION_MARGIN
+
+    return int(budget / (1 - FRAGMENTATION_MARGIN))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A failed test's traceback, which pytest keeps to the end of the session, holds its frames and their tensors:
+    # on a GPU, one failure would leave its model and activations allocated, and every later test of a capped
+    # device would run out. The report is made first; only then are the frames cleared.
+    yield
+    if call.excinfo is not None and torch.cuda.is_available():
+        error = call.excinfo.value
+        while error is not None:
+            try:
+                traceback.clear_frames(error.__traceback__)
+            except RuntimeError:  # a frame still running
+                pass
+            error = error.__cause__ or error.__context__
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture

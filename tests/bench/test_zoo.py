@@ -233,3 +233,10 @@ def test_bad_values_are_rejected_before_building(name, options, message):
 def test_import_remat_does_not_import_transformers():
     code = "import sys, remat, remat.zoo; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_seed_cifars_loss_runs_on_the_device_its_model_and_images_were_moved_to():
+    # its labels live in its loss function: moving the model and the images to the GPU left them behind
+    built = zoo.build("seed-cifar", batch=2)
+    logits = built.model(built.inputs).to("meta")
+    assert built.loss_fn(logits).device.type == "meta"

@@ -47,12 +47,15 @@ def _model_and_batch(rank: int) -> tuple[nn.Module, dict, list[str]]:
 
 
 def _shard(model: nn.Module, blocks: list[str]) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # a CPU mesh named: FSDP's default mesh is on the GPU wherever there is one, and these models are on the CPU
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     modules = dict(model.named_modules())
     for name in blocks:
-        fully_shard(modules[name])
-    fully_shard(model)
+        fully_shard(modules[name], mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from _device import SimulatedDevice, resting
+from conftest import gpu_for
 from test_verify import Block, Collects, _untouched
 from torch import nn
 
@@ -179,7 +180,7 @@ def test_a_gpu_only_nested_plans_fit_gets_a_verified_plan_within_it(on_a_smaller
         nested = remat.plan(prof, strategy="none").min_peak_bytes
         one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
         budget = (nested + one_level) // 2
-        on_a_smaller_gpu(budget + (budget >> 5))
+        on_a_smaller_gpu(gpu_for(budget))
         plan = remat.auto(model, x, budget, repeat=1, warmup=0)
         try:
             assert torch.cuda.max_memory_allocated() <= budget + (budget >> 5)

@@ -9,14 +9,15 @@ import remat
 from remat.profiling._fsdp_fake import fsdp_states
 
 
-def _sharded(device: str = "cpu") -> nn.Module:
+def _sharded(mesh=None, device: str = "cpu") -> nn.Module:
+    """The chain sharded over ``mesh`` (None: FSDP's default, a mesh on the GPU where there is one)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = residual_chain(depth=4, width=24, hidden=96, stem=True).to(device)
     for block in model[1:]:
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -37,7 +38,7 @@ def _records(model: nn.Module) -> list:
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["before-its-first-step", "after-a-step"])
 def test_a_sharded_models_fake_profile_has_the_real_ones_bytes_and_leaves_it_as_it_was(one_rank_group, stepped):
-    model, x = _sharded(), torch.randn(16, 24)
+    model, x = _sharded(one_rank_group), torch.randn(16, 24)
     if stepped:  # FSDP's lazy initialisation done, its all-gather buffers made
         _step(model, x)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -53,7 +54,7 @@ def test_a_sharded_models_fake_profile_has_the_real_ones_bytes_and_leaves_it_as_
     for assignment in ({}, dict.fromkeys(names, "full"), {names[0]: "selective", names[-1]: "full"}):
         assert fake.predict_peak(assignment) == real.predict_peak(assignment), assignment
     # the next real step is the step of a model nobody profiled
-    assert all(torch.equal(a, b) for a, b in zip(_step(model, x).values(), _step(_sharded(), x).values()))
+    assert all(torch.equal(a, b) for a, b in zip(_step(model, x).values(), _step(_sharded(one_rank_group), x).values()))
 
 
 def test_a_tensor_parallel_models_fake_profile_has_the_real_ones_bytes(one_rank_group):
@@ -79,11 +80,11 @@ class _FailsOnFakeTensors(nn.Module):
 
 def test_a_failed_fake_profile_leaves_a_sharded_model_that_trains_as_before(one_rank_group):
     # before FSDP's lazy initialisation, a plain fake swapped in for a parameter became FSDP's own for good
-    model, x = _sharded(), torch.randn(16, 24)
+    model, x = _sharded(one_rank_group), torch.randn(16, 24)
     model.append(_FailsOnFakeTensors())
     with pytest.raises(remat.RematError, match="refuses fake tensors"):
         remat.profile(model, x, fake=True, target="cpu")
-    reference = _sharded()
+    reference = _sharded(one_rank_group)
     reference.append(_FailsOnFakeTensors())
     assert all(torch.equal(a, b) for a, b in zip(_step(model, x).values(), _step(reference, x).values()))
 
@@ -105,7 +106,7 @@ def one_cuda_rank():
 
 def test_a_sharded_model_on_a_gpu_profiles_on_fake_tensors_within_its_real_bytes(one_cuda_rank):
     # the fake step runs on fake CPU tensors with the GPU's kernels; FSDP's records say CUDA, and are put back
-    model, x = _sharded("cuda"), torch.randn(16, 24, device="cuda")
+    model, x = _sharded(device="cuda"), torch.randn(16, 24, device="cuda")
     records = _records(model)
     fake = remat.profile(model, x, loss_fn=lambda y: y.square().mean(), fake=True, target="h100")
     assert _records(model) == records
@@ -113,4 +114,4 @@ def test_a_sharded_model_on_a_gpu_profiles_on_fake_tensors_within_its_real_bytes
     names = [b.name for b in real.blocks]
     for assignment in ({}, dict.fromkeys(names, "full")):
         assert fake.predict_peak(assignment) == pytest.approx(real.predict_peak(assignment), rel=0.02), assignment
-    assert all(torch.equal(a, b) for a, b in zip(_step(model, x).values(), _step(_sharded("cuda"), x).values()))
+    assert all(torch.equal(a, b) for a, b in zip(_step(model, x).values(), _step(_sharded(device="cuda"), x).values()))

@@ -2,8 +2,10 @@
 
 NOTE [Fitting a device]
 What runs out on a GPU is what the caching allocator *reserves*, not what tensors hold:
-it rounds every block up (to 512 bytes, large ones to 2 MiB segments) and a freed block
-can only be reused by a request that fits it, so reserved runs above allocated. With
+it rounds every block up (to 512 bytes) and carves blocks out of segments it reserves
+whole (2 MiB for blocks under 1 MiB, 20 MiB for blocks of 1 to 10 MiB, larger ones rounded
+to 2 MiB), and a freed block can only be reused by a request that fits it, so reserved runs
+above allocated: by up to a 20 MiB segment at any moment, however small the step. With
 ``budget=None`` remat plans the allocated peak for
 
     budget = allocated now + (1 - FRAGMENTATION_MARGIN) * (capacity - allocated now)
@@ -68,7 +70,9 @@ class Room:
 
 
 def room_on(device: torch.device) -> Room:
-    """The room on CUDA ``device`` now."""
+    """The room on CUDA ``device`` now (``cuda`` alone: the current GPU)."""
+    if device.index is None:  # torch's per-process fraction wants an index
+        device = torch.device(device.type, torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     allowed = int(fraction * total) if fraction < 1 else None

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import flop_registry
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
 from remat.core._region import _written_tensors, in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core.checkpoint import SAVE_OPS
 from remat.profiling._crossing_ledger import CrossingLedger
+from remat.profiling._flops import op_flops
 from remat.profiling._segment import Segment, tensors_in
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -213,7 +213,7 @@ class SegmentRecorder:
         if seg.phase == "fwd":
             self.ledger.note_reads(seg.block, (args, kwargs))
         packet = func._overloadpacket
-        flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
+        flops = op_flops(packet, args, kwargs, out)
         seg.flops += flops
         if self.op_cost is not None:
             seconds = self.op_cost(func, args, kwargs, out, flops)

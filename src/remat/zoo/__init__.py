@@ -98,7 +98,8 @@ def _seed_cifar(*, batch: int = 256, seed: int = 0) -> ZooModel:
         name="seed-cifar",
         model=model,
         inputs=images,
-        loss_fn=lambda logits: F.cross_entropy(logits, labels),
+        # the labels follow the logits: a user moves the model and the images to the GPU, not this closure
+        loss_fn=lambda logits: F.cross_entropy(logits, labels.to(logits.device)),
         blocks=("cnn_block_1", "cnn_block_2", "head"),
     )
 
