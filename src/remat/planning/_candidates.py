@@ -18,7 +18,7 @@ from remat.core._segment import NotAChain
 from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._put import remove
-from remat.planning._sub_batch import batch_size, reference_batch, sliced
+from remat.planning._sub_batch import MIN_SAMPLES, batch_size, reference_batch, sliced
 from remat.planning._verify_step import OutOfMemory, Step, measured_step
 from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
@@ -230,7 +230,11 @@ class Candidates:
         fixed = prof.resting_bytes + (prof.grad_bytes if prof.accumulation_steps == 1 else 0)
         b = None if batch is None else reference_batch(batch, predicted, fixed, limit)
         if batch is None or b is None:
-            why = "its inputs have no common batch dimension" if batch is None else "even one sample is predicted over"
+            why = (
+                "its inputs have no common batch dimension"
+                if batch is None
+                else f"even {MIN_SAMPLES} samples are predicted over"
+            )
             return f" (predicted {human_bytes(predicted)}, over the budget, and not compared on a slice: {why})"
         self._compare_on(b, batch)
         return (
@@ -247,7 +251,7 @@ class Candidates:
             try:
                 step = measured_step(self.model, self.compared_on, self.loss_fn, keep, None, self.loop)
             except OutOfMemory:
-                if self.findings.samples is None or self.findings.samples[0] == 1:
+                if self.findings.samples is None or self.findings.samples[0] // 2 < MIN_SAMPLES:
                     raise
                 b, batch = self.findings.samples
                 self._compare_on(b // 2, batch)

@@ -13,7 +13,9 @@ sliced; inputs whose first dimensions differ (a sequence-first layout) cannot be
 then runs the reference over the budget as before. ``b`` scales the reference's predicted
 bytes above the step's fixed ones (parameters, buffers, inputs, gradients, optimizer state)
 linearly in the batch, with a tenth to spare; a reference that still runs out halves ``b``.
-Outside the guarantee, as everywhere: a forward whose code depends on the batch size.
+A slice has at least ``MIN_SAMPLES`` (two): training-mode batch norm refuses one sample of a
+``(N, C)`` input, and one sample has no batch statistics to compare. Outside the guarantee,
+as everywhere: a forward whose code depends on the batch size.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["batch_size", "reference_batch", "sliced"]
+__all__ = ["MIN_SAMPLES", "batch_size", "reference_batch", "sliced"]
 
 #: The share of the budget above the fixed bytes a sliced reference is sized for.
 SPARE = 0.9
+#: The fewest samples a slice has (NOTE [A reference on a slice of the batch]).
+MIN_SAMPLES = 2
 
 
 def batch_size(inputs: Any) -> int | None:
@@ -49,7 +53,7 @@ def sliced(inputs: Any, b: int) -> Any:
 
 def reference_batch(batch: int, predicted: int, fixed: int, limit: int) -> int | None:
     """The samples of ``batch`` whose reference step, predicted at ``predicted`` bytes on the whole batch of which
-    ``fixed`` do not scale with it, fits ``limit`` (None: not even one sample is predicted to)."""
+    ``fixed`` do not scale with it, fits ``limit`` (None: not even ``MIN_SAMPLES`` are predicted to)."""
     if predicted <= limit:
         return batch
     scaling = predicted - fixed
@@ -57,4 +61,4 @@ def reference_batch(batch: int, predicted: int, fixed: int, limit: int) -> int |
     if scaling <= 0 or room <= 0:
         return None
     b = min(batch // 2, int(batch * room / scaling))
-    return b if b >= 1 else None
+    return b if b >= MIN_SAMPLES else None
