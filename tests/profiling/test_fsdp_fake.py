@@ -104,6 +104,7 @@ def one_cuda_rank():
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")  # marks it gpu (tests/conftest.py)
 def test_a_sharded_model_on_a_gpu_profiles_on_fake_tensors_within_its_real_bytes(one_cuda_rank):
     # the fake step runs on fake CPU tensors with the GPU's kernels; FSDP's records say CUDA, and are put back
     model, x = _sharded(device="cuda"), torch.randn(16, 24, device="cuda")
