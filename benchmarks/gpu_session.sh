@@ -8,8 +8,11 @@
 #   bash benchmarks/gpu_session.sh truth     # the GPU truth again, under today's policies
 #   bash benchmarks/gpu_session.sh overhead  # remat against torch's checkpoint per block, fp32 and bf16
 #
-# Arguments after the stage go to check's, truth's and overhead's script (``--files F``, ``--configs C``): the
-# whole truth takes longer than one call, so it is remeasured a file or a few configurations a call.
+# Arguments after the stage go to check's, truth's and overhead's script (``--files F``, ``--configs C``,
+# check's ``--extra``; check without any runs every configuration and --extra's): the whole truth takes
+# longer than one call, so it is remeasured a file or a few configurations a call, e.g.
+#
+#   LIMIT=540 bash benchmarks/gpu_session.sh all --files h100.json h100-bf16.json --configs gpt2-small-1024 llama-1b-2048
 # Run from the repository root with remat from src/ (the device has torch, transformers and pytest).
 # What a stage writes goes to $OUT (default: gpu-out/): its log, and BENCHMARKS.md where it wrote a
 # table there, for the session to merge back.
@@ -27,8 +30,9 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 limit=${LIMIT:-540}
 
 versions() {
-  python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
-    torch.cuda.get_device_name(0) if torch.cuda.is_available() else "(no GPU)", "transformers", transformers.__version__)'
+  python -c 'import torch, transformers; cuda = torch.cuda.is_available()
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if cuda else "(no GPU)",
+  "transformers", transformers.__version__)'
 }
 
 within() {  # within SECONDS COMMAND...: interrupted (then killed 15 s later) when its share is spent
@@ -50,7 +54,8 @@ run_stage() {  # run_stage NAME SECONDS [ARGS...]
       within "$seconds" python benchmarks/gpu_fit.py --write 2>&1 | tee -a "$out/$name.log" && cp BENCHMARKS.md "$out/"
       ;;
     check)
-      within "$seconds" python benchmarks/gpu_check.py --extra --write "$@" 2>&1 | tee -a "$out/$name.log" \
+      (($# == 0)) && set -- --extra  # no arguments: every configuration, the truth's and --extra's
+      within "$seconds" python benchmarks/gpu_check.py --write "$@" 2>&1 | tee -a "$out/$name.log" \
         && cp BENCHMARKS.md "$out/"
       ;;
     truth)
