@@ -118,7 +118,8 @@ from typing import Any
 import numpy as np
 
 from remat.core._policy_registry import FULL, KEEP, SELECTIVES
-from remat.planning._nested_walk import Costs, Node, extra_time, shared_storages, simulate
+from remat.planning._nested_shared import shared_storages
+from remat.planning._nested_walk import Costs, Node, extra_time, simulate
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
 

@@ -40,7 +40,6 @@ import numpy as np
 
 from remat.core._policy_registry import KEEP
 from remat.planning._solve import Chain
-from remat.profiling._types import Key, Profile
 
 _NEVER = 1 << 62
 Place = tuple[str, int]
@@ -363,61 +362,3 @@ def extra_time(c: Costs, nodes: tuple[Node, ...]) -> float:
             total += float(c.fwd_s[node.start : node.end - 1].sum() + c.chain.extra_s[node.end - 1, c.full])
             total += extra_time(c, node.children)
     return total
-
-
-def _places(profile: Profile) -> dict[Key, Place]:
-    """Every segment key of the profile -> the walk's place that holds it."""
-    out: dict[Key, Place] = {}
-    block, index = -1, dict[str, int]()
-    for key in profile.fwd_order:
-        if key[1] is not None:
-            block = index.setdefault(key[1], len(index))
-        out[key] = ("fwd", block) if block >= 0 else ("pre", -1)
-    seen = False
-    for key in profile.bwd_order:
-        name = key[1]
-        seen = seen or name is not None
-        out[key] = ("bwd", index[name]) if name is not None else ("bwd" if seen else "post", -1)
-    return out
-
-
-def shared_storages(profile: Profile, chain: Chain, outputs: bool = False) -> tuple[Shared, ...]:
-    """The glue-made storages handed to blocks, with each run's free placed in the walk (``Costs.shared``);
-    with ``outputs``, the blocks' outputs instead, ``receivers`` then the block that made it (``Costs.outputs``)."""
-    places, index = _places(profile), {b: i for i, b in enumerate(chain.blocks)}
-    groups: dict[Place, list[Key]] = {}
-    for key in (*profile.fwd_order, *profile.bwd_order):
-        groups.setdefault(places[key], []).append(key)
-    out = []
-    for crossing in profile.crossings:
-        receivers = [index.get(r[1] or "") for r in crossing.receivers]
-        if outputs:
-            receivers = [index.get(crossing.producer[1] or "")] if crossing.producer is not None else [None]
-        if (crossing.producer is not None and not outputs) or None in receivers:
-            continue
-        freed: dict[int, Place | None] = {}
-        after: dict[int, int] = {}
-        for j, pol in enumerate(chain.policies):
-            where = crossing.freed.get(pol, ("?", None, -1))
-            if where is not None and where not in places:
-                break  # freed where the walk has no place: leave it to the runs' own numbers
-            freed[j] = None if where is None else places[where]
-            if where is not None:
-                after[j] = _after_free(profile, pol, groups[places[where]], where, crossing.after.get(pol, 0))
-        else:
-            out.append(Shared(crossing.nbytes, tuple(r for r in receivers if r is not None), freed, after))
-    return tuple(out)
-
-
-def _after_free(profile: Profile, policy: str, group: list[Key], key: Key, after: int) -> int:
-    """Most live bytes above the start of ``group`` (a place's segments) after the free in ``key``."""
-    costs = profile.segments[policy]
-    live, top, found = 0, 0, False
-    for k in group:
-        cost = costs[k]
-        if k == key:
-            top, found = live + after, True
-        elif found:
-            top = max(top, live + cost.excess)
-        live += cost.delta + cost.cast_release
-    return top
