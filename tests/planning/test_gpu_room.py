@@ -5,8 +5,9 @@ tests/planning/test_fit.py run it on a GPU, skipped without one.
 """
 
 import pytest
+import torch
 
-from remat.planning._gpu_room import FRAGMENTATION_MARGIN, Room, reserved_note
+from remat.planning._gpu_room import FRAGMENTATION_MARGIN, Room, over_the_room_note, reserved_note
 
 MiB = 2**20
 
@@ -43,3 +44,36 @@ def test_nothing_free_leaves_what_is_live():
 def test_the_reserved_note_gives_both_peaks_and_their_ratio():
     note = reserved_note(allocated_peak=800 * MiB, reserved_peak=880 * MiB)
     assert "880.0 MiB" in note and "800.0 MiB" in note and "+10.0%" in note
+
+
+def test_a_budget_above_the_room_is_kept_and_said_to_risk_later_steps():
+    room = Room(allocated=100 * MiB, reserved=100 * MiB, free=1000 * MiB)  # budget=None: 100 + 900 MiB
+    assert over_the_room_note(room.budget_bytes, room) is None
+    note = over_the_room_note(room.budget_bytes + 1, room)
+    assert "less than its 10%" in note and "a later step may run out of memory" in note
+    assert f"budget=None plans for 1000.0 MiB ({room.budget_bytes} bytes)" in note
+
+
+def test_auto_on_a_gpu_says_when_a_given_budget_leaves_the_allocator_too_little(monkeypatch, caplog):
+    # the GPU's room is given (remat.planning.apply reads it with room_on on CUDA); the plan is made on the CPU
+    from test_verify import Block
+    from torch import nn
+
+    import remat
+    from remat.planning import apply as apply_module
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(4))), torch.randn(16, 32, 32)
+    keep = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    budget = int(0.8 * keep)
+    tight = Room(allocated=0, reserved=0, free=int(budget * (1 + FRAGMENTATION_MARGIN / 2)))
+    roomy = Room(allocated=0, reserved=0, free=4 * keep)
+    for room, said in ((tight, True), (roomy, False)):
+        monkeypatch.setattr(apply_module, "_gpu_room", lambda model, inputs, room=room: room)
+        with caplog.at_level("WARNING", logger="remat"):
+            plan = remat.auto(model, x, budget, repeat=1, warmup=0)
+        remat.remove(model)
+        assert plan.budget_bytes == budget  # the user's budget is kept either way
+        assert any("leaves this GPU's caching allocator" in n for n in plan.notes) is said
+        assert any("leaves this GPU's caching allocator" in r.getMessage() for r in caplog.records) is said
+        caplog.clear()

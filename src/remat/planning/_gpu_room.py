@@ -18,6 +18,10 @@ fragmentation. Verification then measures both peaks of the real step
 (``max_memory_allocated`` and ``max_memory_reserved`` after a reset) and holds the plan to
 reserved fitting the capacity; a step whose reserved peak does not fit is over the
 budget (re-planned with the excess as a margin), and the plan's notes give both peaks.
+A budget the user gives is kept, but where it is above what ``budget=None`` would plan for,
+auto says so (``over_the_room_note``, a warning and a note): a plan that close to the GPU's
+capacity may run a later step out of memory, its blocks laid out otherwise than in the step
+verified.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from remat.profiling._format import human_bytes
 
-__all__ = ["FRAGMENTATION_MARGIN", "Room", "reserved_note", "room_on"]
+__all__ = ["FRAGMENTATION_MARGIN", "Room", "over_the_room_note", "reserved_note", "room_on"]
 
 #: Share of the memory free for the step that ``budget=None`` leaves unplanned, for the caching
 #: allocator's rounding and fragmentation (NOTE [Fitting a device]).
@@ -84,4 +88,19 @@ def reserved_note(allocated_peak: int, reserved_peak: int) -> str:
     return (
         f"The caching allocator reserved {human_bytes(reserved_peak)} at most in the verified step, for an "
         f"allocated peak of {human_bytes(allocated_peak)} ({reserved_peak / max(allocated_peak, 1) - 1:+.1%})."
+    )
+
+
+def over_the_room_note(budget_bytes: int, room: Room) -> str | None:
+    """What a budget given in bytes above ``room.budget_bytes`` risks (None: it leaves the allocator its margin).
+
+    Such a budget is kept (it is the user's), but its plan's allocated peak may sit so close to the GPU's capacity
+    that a later step, with the allocator's blocks laid out otherwise, runs out where the verified one did not."""
+    if budget_bytes <= room.budget_bytes:
+        return None
+    return (
+        f"The budget {human_bytes(budget_bytes)} leaves this GPU's caching allocator less than its "
+        f"{room.margin:.0%} for rounding and fragmentation ({human_bytes(room.capacity)} it may reserve, "
+        f"{human_bytes(room.allocated)} live before the step): a later step may run out of memory where the "
+        f"verified one did not. budget=None plans for {human_bytes(room.budget_bytes)} ({room.budget_bytes} bytes)."
     )

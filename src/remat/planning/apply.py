@@ -26,7 +26,7 @@ from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._budget import ACCEPTED_BUDGETS
 from remat.planning._candidates import Findings, Unreachable
-from remat.planning._gpu_room import Room, room_on
+from remat.planning._gpu_room import Room, over_the_room_note, room_on
 from remat.planning._put import put, remove
 from remat.planning._verify import verified_plan
 from remat.planning._within import device_target, profile_within
@@ -145,6 +145,7 @@ def _auto(
     model = eager_module(model)
     require_module(model, "remat.auto")
     room = _room_of_device(model, inputs) if budget is None else None
+    given_room = _gpu_room(model, inputs) if budget is not None else None  # read before auto's steps fill the cache
     budget = room.budget_bytes if room is not None else budget
     capacity = room.capacity if room is not None else None
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
@@ -182,7 +183,18 @@ def _auto(
         raise
     if not chosen.checkpointed:
         restore_cache(model)
-    return chosen if room is None else replace(chosen, notes=(room.note(), *chosen.notes))
+    return _noted(chosen, room, given_room)
+
+
+def _noted(chosen: Plan, room: Room | None, given: Room | None) -> Plan:
+    """``chosen`` with what the GPU's room says of it (NOTE [Fitting a device] in remat.planning._gpu_room)."""
+    if room is not None:
+        return replace(chosen, notes=(room.note(), *chosen.notes))
+    over = None if given is None or chosen.budget_bytes is None else over_the_room_note(chosen.budget_bytes, given)
+    if over is None:
+        return chosen
+    log.warning("remat.auto: %s", over)
+    return replace(chosen, notes=(*chosen.notes, over))
 
 
 # NOTE [Finer only when needed]
@@ -268,6 +280,12 @@ def _plan_and_put(
         raise
     put(model, chosen)
     return chosen
+
+
+def _gpu_room(model: nn.Module, inputs: Any) -> Room | None:
+    """The room on the GPU the model is on (None: it is not on one)."""
+    device = device_of(model, inputs)
+    return room_on(device) if device.type == "cuda" else None
 
 
 def _room_of_device(model: nn.Module, inputs: Any) -> Room:
