@@ -348,8 +348,9 @@ def pytest_runtest_makereport(item, call):
     # device would run out. The report is made first; only then are the frames cleared.
     yield
     if call.excinfo is not None and torch.cuda.is_available():
-        error = call.excinfo.value
-        while error is not None:
+        error, seen = call.excinfo.value, set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
             try:
                 traceback.clear_frames(error.__traceback__)
             except RuntimeError:  # a frame still running
