@@ -2,7 +2,6 @@ import copy
 import itertools
 import pathlib
 import signal
-import traceback
 import warnings
 
 import pytest
@@ -341,24 +340,6 @@ def gpu_for(budget: int) -> int:
     return int(budget / (1 - FRAGMENTATION_MARGIN))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    # A failed test's traceback, which pytest keeps to the end of the session, holds its frames and their tensors:
-    # on a GPU, one failure would leave its model and activations allocated, and every later test of a capped
-    # device would run out. The report is made first; only then are the frames cleared.
-    yield
-    if call.excinfo is not None and torch.cuda.is_available():
-        error, seen = call.excinfo.value, set()
-        while error is not None and id(error) not in seen:
-            seen.add(id(error))
-            try:
-                traceback.clear_frames(error.__traceback__)
-            except RuntimeError:  # a frame still running
-                pass
-            error = error.__cause__ or error.__context__
-        torch.cuda.empty_cache()
-
-
 @pytest.fixture
 def on_a_smaller_gpu(monkeypatch):
     """Deterministic CUDA kernels, and ``cap(bytes)``: the allocator refuses more than that until the test ends."""
@@ -368,6 +349,9 @@ def on_a_smaller_gpu(monkeypatch):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
+        # shown with a failure: what the process held when the device was made smaller
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        print(f"on_a_smaller_gpu: cap {limit} bytes; {allocated} allocated, {reserved} reserved when capped")
 
     yield cap
     torch.cuda.set_per_process_memory_fraction(1.0)
