@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,8 +42,9 @@ from remat.planning.plan import parse_budget
 from remat.profiling._format import human_bytes
 from remat.profiling._types import Profile
 from remat.profiling.profile import profile as make_profile
+from remat.profiling.targets import get_target
 
-__all__ = ["OVER_THE_BUDGET", "RAN_OUT", "Within", "device_target", "profile_within"]
+__all__ = ["OVER_THE_BUDGET", "RAN_OUT", "Within", "device_target", "profile_within", "with_memory_beside"]
 
 log = logging.getLogger("remat")
 
@@ -109,10 +110,10 @@ def profile_within(
         gc.collect()
         empty_device_cache()
         log.warning("%s: the real profile ran out of device memory (%s): planned on fake tensors.", api, reason)
-        fake = run(fake_run)
+        fake = _beside_the_model(run(fake_run), model, inputs)
         return Within(fake, RAN_OUT, parse_budget(budget, fake.baseline_peak_bytes))
     try:
-        fake = run(fake_run)
+        fake = _beside_the_model(run(fake_run), model, inputs)
     except RematError as exc:
         log.info("%s: fake tensors cannot run this model (%s): profiled on real tensors.", api, exc)
         return Within(run(options))
@@ -134,6 +135,43 @@ def profile_within(
     empty_device_cache()
     log.warning("%s: the real profile ran out of device memory (%s): planned on fake tensors.", api, reason)
     return Within(fake, RAN_OUT, limit)
+
+
+# NOTE [Memory beside the model on the GPU]
+# On CUDA a real profile counts its resting bytes as the allocator does (NOTE [Peaks as the
+# allocator counts them]): the model's tensors, the libraries' workspaces, and whatever else
+# the process holds there (another model, an EMA copy, a test's reference gradients), since
+# all of it shares the device. A fake profile sees the model's tensors and its target's
+# library bytes (``persistent_bytes``) only, so where the step runs on the GPU beside more, its
+# plans were predicted low by that much and ran out. A fake profile made for the GPU the model
+# is on therefore takes what the allocator holds beyond the model's tensors now, where that
+# is more than the library bytes it counted. (Before any step, the libraries have allocated
+# nothing yet and their bytes stay counted; after one, they are part of what is held.)
+
+
+def _beside_the_model(fake: Profile, model: nn.Module, inputs: Any) -> Profile:
+    """``fake`` with the memory the process holds beside the model on its GPU (NOTE [Memory beside the model on
+    the GPU]); unchanged off CUDA."""
+    device = device_of(model, inputs)
+    if device.type != "cuda" or fake.target is None:
+        return fake
+    cuda = get_target(fake.target).cuda
+    return with_memory_beside(fake, torch.cuda.memory_allocated(device), cuda.persistent_bytes if cuda else 0)
+
+
+def with_memory_beside(fake: Profile, allocated: int, library_bytes: int) -> Profile:
+    """``fake``, whose resting bytes count ``library_bytes`` for its target's libraries, on a device whose
+    allocator holds ``allocated`` bytes now: what is held beyond the model's resting tensors, where that is more
+    than ``library_bytes``, is added to its resting bytes."""
+    beside = allocated - (fake.resting_bytes - library_bytes)
+    if beside <= library_bytes:
+        return fake
+    added = beside - library_bytes
+    note = (
+        f"The GPU holds {human_bytes(beside)} beside the model's tensors (its libraries' workspaces and other "
+        f"tensors of the process): {human_bytes(added)} added to the fake profile's resting bytes."
+    )
+    return replace(fake, resting_bytes=fake.resting_bytes + added, notes=[*fake.notes, note])
 
 
 def _share(budget: Any) -> float | None:
