@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -98,8 +99,10 @@ def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
     """(weakly held owner, key within it) naming ``fn`` across calls; None when it has no stable identity."""
     if isinstance(fn, functools.partial):
         return None  # rebuilt on every call (e.g. by Hugging Face layers)
-    owner = getattr(fn, "__self__", None)
-    if owner is not None and hasattr(fn, "__func__"):  # a bound method: a new object on every access
+    # isinstance, not getattr(fn, "__self__"): on a module that getattr raises inside Module.__getattr__, a cost
+    # paid at every call of every checkpointed block
+    if isinstance(fn, types.MethodType):  # a bound method: a new object on every access
+        owner = fn.__self__
         return owner, (fn.__func__, getattr(owner, "training", None))
     return fn, (None, getattr(fn, "training", None))
 
