@@ -156,6 +156,7 @@ def _beside_the_model(fake: Profile, model: nn.Module, inputs: Any) -> Profile:
     if device.type != "cuda" or fake.target is None:
         return fake
     cuda = get_target(fake.target).cuda
+    gc.collect()  # tensors only reference cycles hold are not beside the model: they go at the next collection
     return with_memory_beside(fake, torch.cuda.memory_allocated(device), cuda.persistent_bytes if cuda else 0)
 
 
