@@ -26,7 +26,6 @@ verified.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +77,6 @@ def room_on(device: torch.device) -> Room:
     """The room on CUDA ``device`` now (``cuda`` alone: the current GPU)."""
     if device.index is None:  # torch's per-process fraction wants an index
         device = torch.device(device.type, torch.cuda.current_device())
-    gc.collect()  # what only reference cycles hold is freed at the next collection, not room taken
     free, total = torch.cuda.mem_get_info(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     allowed = int(fraction * total) if fraction < 1 else None

@@ -144,10 +144,11 @@ def _auto(
 ) -> Plan:
     model = eager_module(model)
     require_module(model, "remat.auto")
-    room = _room_of_device(model, inputs) if budget is None else None
-    given_room = _gpu_room(model, inputs) if budget is not None else None  # read before auto's steps fill the cache
-    budget = room.budget_bytes if room is not None else budget
-    capacity = room.capacity if room is not None else None
+    # the GPU's room is read before any step of auto's: budget=None plans for it, a given budget is checked against it
+    fits_the_gpu, capacity = budget is None, None
+    room = _room_of_device(model, inputs) if fits_the_gpu else _gpu_room(model, inputs)
+    if fits_the_gpu and room is not None:
+        budget, capacity = room.budget_bytes, room.capacity
     parse_budget(budget, 1)  # a bad budget fails now, before any step runs
     backend = _compile_backend(compiled, verify, profile_options)
     loop = make_loop(
@@ -183,14 +184,17 @@ def _auto(
         raise
     if not chosen.checkpointed:
         restore_cache(model)
-    return _noted(chosen, room, given_room)
+    return _noted(chosen, room, fits_the_gpu)
 
 
-def _noted(chosen: Plan, room: Room | None, given: Room | None) -> Plan:
-    """``chosen`` with what the GPU's room says of it (NOTE [Fitting a device] in remat.planning._gpu_room)."""
-    if room is not None:
+def _noted(chosen: Plan, room: Room | None, fits_the_gpu: bool) -> Plan:
+    """``chosen`` with what the GPU's room says of it (NOTE [Fitting a device] in remat.planning._gpu_room): the
+    budget ``budget=None`` took from it, or where a given budget leaves the allocator too little."""
+    if room is None:
+        return chosen
+    if fits_the_gpu:
         return replace(chosen, notes=(room.note(), *chosen.notes))
-    over = None if given is None or chosen.budget_bytes is None else over_the_room_note(chosen.budget_bytes, given)
+    over = None if chosen.budget_bytes is None else over_the_room_note(chosen.budget_bytes, room)
     if over is None:
         return chosen
     log.warning("remat.auto: %s", over)
@@ -290,13 +294,13 @@ def _gpu_room(model: nn.Module, inputs: Any) -> Room | None:
 
 def _room_of_device(model: nn.Module, inputs: Any) -> Room:
     """``budget=None``: the room on the GPU the model is on (NOTE [Fitting a device] in remat.planning._gpu_room)."""
-    device = device_of(model, inputs)
-    if device.type != "cuda":
+    room = _gpu_room(model, inputs)
+    if room is None:
         raise RematError(
-            f"remat.auto: budget=None fits the plan to the GPU the model is on, but it is on {device}, whose free "
-            f"memory remat cannot read; pass a budget: {ACCEPTED_BUDGETS}."
+            f"remat.auto: budget=None fits the plan to the GPU the model is on, but it is on "
+            f"{device_of(model, inputs)}, whose free memory remat cannot read; pass a budget: {ACCEPTED_BUDGETS}."
         )
-    return room_on(device)
+    return room
 
 
 def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:

@@ -28,9 +28,12 @@ def op_flops(packet: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 def _attention_with_fewer_kv_heads(packet: Any, args: tuple) -> int:
-    backward = str(packet).endswith("_backward")
+    name = str(packet)
+    if "scaled_dot_product" not in name:
+        return 0
+    backward = name.endswith("_backward")
     qkv = args[1:4] if backward else args[0:3]
-    if "scaled_dot_product" not in str(packet) or len(qkv) < 3:
+    if len(qkv) < 3:
         return 0
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
         return 0
