@@ -34,7 +34,7 @@ import _sections
 import torch
 
 import remat
-from remat.bench._gpu_truth import FILES, build_config, compare, load
+from remat.bench._gpu_truth import FILES, as_measured, build_config, compare, load
 from remat.core._fine import FINE, wrap_fine
 from remat.core._policy_registry import POLICIES
 from remat.profiling._blocks import find_blocks
@@ -173,7 +173,8 @@ def cpu_part(files: list[str], configs: list[str] | None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     plans = []
-    for name, truth, label in configurations(files, configs):
+    for name, measured, label in configurations(files, configs):
+        truth = as_measured(measured)  # its selective rows, as they ran
         prof, took = fake_profile(truth, label)
         for r in compare(truth, label, prof):
             print(
@@ -281,7 +282,9 @@ def _check(args: argparse.Namespace) -> None:
     else:
         print(
             "No CUDA device here: the GPU part (real profiles, remat.measure, plans measured) did not run. "
-            "Below, fake profiles made on this CPU for target='h100' against the files' H100 measurements.\n"
+            "Below, fake profiles made on this CPU for target='h100' against the files' H100 measurements; "
+            "their selective rows ran op by op (`selective-ops`, before selective ran by module) and are "
+            "predicted so.\n"
         )
         cpu_part(args.files, args.configs)
         if args.extra:

@@ -11,6 +11,7 @@ profile's predictions beside the measured rows.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import pathlib
 from dataclasses import dataclass
@@ -30,6 +31,16 @@ FILES = ("h100.json", "h100-bf16.json")
 def load(name: str, directory: pathlib.Path | None = None) -> dict[str, Any]:
     """One ground-truth file (``h100.json`` or ``h100-bf16.json``)."""
     return json.loads(((directory or TRUTH_DIR) / name).read_text())
+
+
+def as_measured(truth: dict[str, Any]) -> dict[str, Any]:
+    """``truth`` with its selective rows named for how they ran on the H100: op by op on every call
+    (``selective-ops``), measured before selective ran by module; a fake profile predicts those rows so."""
+    out = copy.deepcopy(truth)
+    for entry in out["models"].values():
+        for row in entry["assignments"].values():
+            row["policies"] = {b: "selective-ops" if p == "selective" else p for b, p in row["policies"].items()}
+    return out
 
 
 def autocast_forward(model: nn.Module, dtype: torch.dtype) -> None:

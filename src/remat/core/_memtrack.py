@@ -97,13 +97,25 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return sum(p.numel() * p.element_size() for p in plain_tensors(t))
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
+BlockBytes = Callable[[int], int]
+"""What an allocator counts for a storage of so many bytes (a fake profile's CUDA target rounds them up)."""
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], block_bytes: BlockBytes | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors``, each as ``block_bytes`` counts it (None: exactly)."""
     seen: dict[int, int] = {}
     for t in tensors:
         for st in storages(t):
             seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+    if block_bytes is None:
+        return sum(seen.values())
+    return sum(block_bytes(n) for n in seen.values())
+
+
+def grad_bytes(params: Iterable[torch.Tensor], block_bytes: BlockBytes | None = None) -> int:
+    """Bytes of the gradients ``params`` get, one storage each, as ``block_bytes`` counts them (None: exactly)."""
+    sizes = (tensor_bytes(p) for p in params)
+    return sum(sizes) if block_bytes is None else sum(block_bytes(n) for n in sizes)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -112,7 +124,9 @@ class StorageTracker(TorchDispatchMode):
     ``current``/``peak`` are bytes above the storages in ``known`` (which are
     never counted). ``on_op(func, args, kwargs, out, seconds)`` is called
     after every op with its wall time, for callers that build a timeline, and
-    ``on_free(key, nbytes)`` when a counted storage is freed.
+    ``on_free(key, nbytes)`` when a counted storage is freed. ``block_bytes``: what the
+    allocator counts for a storage of so many bytes (a fake profile's CUDA target, NOTE [Blocks
+    the caching allocator hands out] in remat.profiling._allocator); None counts them exactly.
     """
 
     def __init__(
@@ -120,8 +134,10 @@ class StorageTracker(TorchDispatchMode):
         known: Iterable[torch.Tensor] = (),
         on_op: Callable[[Any, tuple, dict, Any, float], None] | None = None,
         on_free: Callable[[int, int], None] | None = None,
+        block_bytes: BlockBytes | None = None,
     ) -> None:
         super().__init__()
+        self.block_bytes = block_bytes
         self.known = {st._cdata for t in known for st in storages(t)}
         self.live: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
@@ -157,7 +173,7 @@ class StorageTracker(TorchDispatchMode):
         key = st._cdata
         if key in self.known:
             return
-        nbytes = st.nbytes()
+        nbytes = st.nbytes() if self.block_bytes is None else self.block_bytes(st.nbytes())
         old = self.live.get(key)
         if old is None:
             self.made += 1
@@ -176,7 +192,7 @@ class StorageTracker(TorchDispatchMode):
             for st in storages(t):
                 if st._cdata not in self.live and st._cdata not in self.known:
                     self.known.add(st._cdata)
-                    self.discovered += st.nbytes()
+                    self.discovered += st.nbytes() if self.block_bytes is None else self.block_bytes(st.nbytes())
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         if st._cdata in self.live or st.nbytes() > 0:

@@ -12,7 +12,7 @@ from torch import nn
 
 from remat.core._fine import FINE
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
-from remat.core._memtrack import storage_bytes, tensor_bytes
+from remat.core._memtrack import BlockBytes, grad_bytes, storage_bytes
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE, SELECTIVE_OPS
 from remat.core._step import trainable_parameters
 from remat.core._timing import extra_time, forward_slowdown
@@ -44,9 +44,11 @@ def assemble(
     notes: Sequence[str] = (),
     loop: Loop = NO_LOOP,
     loop_bytes: tuple[int, int] | None = None,
+    block_bytes: BlockBytes | None = None,
 ) -> Profile:
     """``loop_bytes``: (bytes the loop keeps alive, of which the optimizer's state), when the model no longer
-    holds them (a fake run's); else read from the model and ``loop`` now."""
+    holds them (a fake run's); else read from the model and ``loop`` now. ``block_bytes``: what a fake
+    profile's CUDA target counts for the resting storages (NOTE [Blocks the caching allocator hands out])."""
     if loop_bytes is None:
         loop_bytes = storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
     if loop.describe():
@@ -85,9 +87,9 @@ def assemble(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
         blocks=blocks,
-        resting_bytes=storage_bytes(resting_tensors(model, inputs)) + loop_bytes[0] + extra_resting,
-        param_bytes=storage_bytes(params),
-        grad_bytes=sum(tensor_bytes(p) for p in trainable_parameters(model).values()),
+        resting_bytes=storage_bytes(resting_tensors(model, inputs), block_bytes) + loop_bytes[0] + extra_resting,
+        param_bytes=storage_bytes(params, block_bytes),
+        grad_bytes=grad_bytes(trainable_parameters(model).values(), block_bytes),
         step_time_s=step_time,
         policies=tuple(policies),
         fwd_order=[s.key for s in keep if s.phase == "fwd"],

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_map
 from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
-from remat.core._memtrack import storage_bytes
+from remat.core._memtrack import BlockBytes, storage_bytes
 from remat.core._state import restoring, uninterrupted
 from remat.core._step import InputGrads
 from remat.core._typing import Inputs, LossFn
@@ -169,6 +169,7 @@ def _trace(
 
     fake_inputs = tree_map(fake_input, inputs)
     workspace = Workspace(target.cuda.gpu, target.cuda.workspace) if target.cuda is not None else None
+    blocks = target.block_bytes()  # NOTE [Blocks the caching allocator hands out]
     switch = _Policies(model, names)
     traced: dict[str, list[Segment]] = {}
     io_bytes: dict[str, tuple[int, int]] = {}
@@ -184,7 +185,7 @@ def _trace(
         for policy, run_as, learn in _last(trace_schedule(policies), last):
             if wanted is not None and policy == last:
                 with spent("fake profile"):
-                    if not wanted((traced, io_bytes, fake_inputs, ledgers, _kept(model, loop))):
+                    if not wanted((traced, io_bytes, fake_inputs, ledgers, _kept(model, loop, blocks))):
                         continue
             switch.set(run_as)
             with mode, shadows:
@@ -194,15 +195,24 @@ def _trace(
                 loop.steady(model, fake_inputs, loss_fn)
                 with spent("fake traced steps"):
                     traced[policy], io, _, ledgers[policy] = traced_step(
-                        model, fake_inputs, loss_fn, names, op_cost=target.op_seconds, workspace=workspace, loop=loop
+                        model,
+                        fake_inputs,
+                        loss_fn,
+                        names,
+                        op_cost=target.op_seconds,
+                        workspace=workspace,
+                        loop=loop,
+                        block_bytes=blocks,
                     )
             io_bytes = io_bytes or io
-        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_inputs, ledgers, _kept(model, loop)
+        kept = _kept(model, loop, blocks)
+        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_inputs, ledgers, kept
 
 
-def _kept(model: nn.Module, loop: Loop) -> tuple[int, int]:
+def _kept(model: nn.Module, loop: Loop, block_bytes: BlockBytes | None) -> tuple[int, int]:
     """(bytes the loop keeps alive, of which the optimizer's state), read while the fake weights are in."""
-    return storage_bytes(loop.resident(model)), storage_bytes(optimizer_state(loop.optimizer))
+    resident = storage_bytes(loop.resident(model), block_bytes)
+    return resident, storage_bytes(optimizer_state(loop.optimizer), block_bytes)
 
 
 def _last(schedule: list[tuple[str, str, bool]], policy: str | None) -> list[tuple[str, str, bool]]:
@@ -257,6 +267,7 @@ def run_fake_profile(
             crossings=ledgers,
             loop=loop,
             loop_bytes=kept,
+            block_bytes=target.block_bytes(),
         )
 
     asked = traced_if()

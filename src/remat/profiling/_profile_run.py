@@ -17,7 +17,7 @@ from remat.core._costs import spent
 from remat.core._fine import FINE, inner_layers, wrap_fine
 from remat.core._hf import cache_disabled
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
-from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes
+from remat.core._memtrack import BlockBytes, CudaAllocator, StorageTracker, storage_bytes
 from remat.core._policy_registry import KEEP, NAMES
 from remat.core._state import capture, restoring
 from remat.core._step import InputGrads, LossFn, training_step
@@ -86,20 +86,22 @@ def traced_step(
     op_cost: OpCost | None = None,
     workspace: OpWorkspace | None = None,
     loop: Loop = NO_LOOP,
+    block_bytes: BlockBytes | None = None,
 ) -> tuple[list[Segment], dict[str, tuple[int, int]], int, Ledger]:
     """Segments, block I/O bytes, the resting bytes, and the crossing storages and block recomputations
     (NOTE [Storages across blocks]) of one tracked step.
 
     On CUDA live and peak bytes come from the allocator and times from CUDA events
     (NOTE [Peaks as the allocator counts them], NOTE [Clocks]); resting bytes are then
-    what the allocator held at the start (library workspaces included).
+    what the allocator held at the start (library workspaces included). ``block_bytes``: what a fake
+    profile's CUDA target counts for a storage (NOTE [Blocks the caching allocator hands out]).
     """
     loop.start(model)
     with spent("garbage collections"):
         gc.collect()
     device = device_of(model, inputs)
     allocator = CudaAllocator(device) if device.type == "cuda" else None
-    tracker = StorageTracker(known=resting_tensors(model, inputs, loop))
+    tracker = StorageTracker(known=resting_tensors(model, inputs, loop), block_bytes=block_bytes)
     recorder = SegmentRecorder(
         model,
         names,
@@ -111,7 +113,10 @@ def traced_step(
     )
     with recorder, tracker, learned_at_exit():  # NOTE [Learning kept until the step ends]
         _run_step(model, inputs, loss_fn, recorder, loop)
-    resting = allocator.base if allocator is not None else storage_bytes(resting_tensors(model, inputs, loop))
+    if allocator is not None:
+        resting = allocator.base
+    else:
+        resting = storage_bytes(resting_tensors(model, inputs, loop), block_bytes)
     return (
         recorder.segments,
         recorder.io_bytes,

@@ -32,10 +32,11 @@ from dataclasses import replace
 from torch import nn
 
 from remat.core._loop import Loop
-from remat.core._memtrack import storage_bytes, tensor_bytes
+from remat.core._memtrack import grad_bytes, storage_bytes
 from remat.core._state import uninterrupted
 from remat.profiling._traced_repeat import MIDDLE, widen
 from remat.profiling._types import Profile
+from remat.profiling.targets import block_bytes_of
 
 __all__ = ["short_stack", "widened"]
 
@@ -125,10 +126,11 @@ def widened(prof: Profile, short: list[str], full: list[str], left_out: list[nn.
         f"The {len(full)} blocks are alike: profiled on a stack of {len(short)} (the first {len(short) - 1} and the "
         "last), the others take a middle one's costs (NOTE [Identical blocks are profiled once])."
     )
+    blocks = block_bytes_of(prof.target) if prof.fake else None
     return replace(
         wide,
-        resting_bytes=wide.resting_bytes + storage_bytes([*params, *buffers]),
-        param_bytes=wide.param_bytes + storage_bytes(params),
-        grad_bytes=wide.grad_bytes + sum(tensor_bytes(p) for p in params if p.requires_grad),
+        resting_bytes=wide.resting_bytes + storage_bytes([*params, *buffers], blocks),
+        param_bytes=wide.param_bytes + storage_bytes(params, blocks),
+        grad_bytes=wide.grad_bytes + grad_bytes([p for p in params if p.requires_grad], blocks),
         notes=[*prof.notes, note],
     )

@@ -15,9 +15,12 @@ bf16 autocast) for GPT-2 and Llama zoo configurations. From them:
   with 132 SMs and 2048 threads per SM; the other models are fitted to the
   maxima (see ``_workspace``).
 * Persistent bytes: every measured ``resting`` exceeds parameters + buffers +
-  inputs by 65.8 to 80.8 MiB (median 66.8 MiB), allocated once and kept
-  (cuBLAS/cuBLASLt workspaces are the likely owners; not verified). 66 MiB, the
-  typical value, is added to a fake profile's resting bytes.
+  inputs, counted as the allocator's blocks (NOTE [Blocks the caching allocator
+  hands out]), by 65.1 to 69.1 MiB, allocated once and kept (cuBLAS/cuBLASLt
+  workspaces are the likely owners; not verified). One exceeds them by 56.0 MiB:
+  fp32 Llama 4x1024, whose 11 MiB parameters took no 12 MiB blocks there (likely
+  blocks cached from the configurations measured before it in the same process).
+  66 MiB, the typical value, is added to a fake profile's resting bytes.
 
 The A100 entry uses the same kernel rules for sm80 (cuDNN last in the order, as
 torch 2.11 orders it off sm90/sm100) and the same workspace models with A100's SM

@@ -82,6 +82,7 @@ class SegmentRecorder:
         self.modules = dict(model.named_modules())
         self.blocks = list(blocks)
         self.tracker = tracker
+        self._block_bytes = tracker.block_bytes if tracker is not None else None
         self.op_cost = op_cost
         self.workspace = workspace
         self.allocator = allocator
@@ -232,7 +233,7 @@ class SegmentRecorder:
             if self.tracker is not None:
                 self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
             if name not in self.io_bytes:
-                self.io_bytes[name] = (storage_bytes(tensors_in((args, kwargs))), 0)
+                self.io_bytes[name] = (storage_bytes(tensors_in((args, kwargs)), self._block_bytes), 0)
 
         return hook
 
@@ -241,7 +242,7 @@ class SegmentRecorder:
             occurrence = self._current.occurrence if self._current is not None else 0
             outs = tensors_in(output)
             self.ledger.note_outputs(name, occurrence, output, outs)
-            self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs))
+            self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs, self._block_bytes))
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)
             if grad_out is not None:

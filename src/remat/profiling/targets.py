@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from remat.core._memtrack import op_tensors
+from remat.core._memtrack import BlockBytes, op_tensors
 from remat.errors import RematError
+from remat.profiling._allocator import cuda_blocks
 from remat.profiling._target_data import A100, H100, CudaTable
 
 __all__ = ["Target", "get_target", "TARGETS"]
@@ -42,6 +43,10 @@ class Target:
     """Fraction of peak rates real kernels reach."""
     cuda: CudaTable | None = None
     """For a CUDA device: kernel rules, workspace models and persistent bytes; None runs CPU kernels."""
+
+    def block_bytes(self) -> BlockBytes | None:
+        """What this device's allocator counts for a storage of so many bytes (None: exactly, as on a CPU)."""
+        return cuda_blocks() if self.cuda is not None else None
 
     def op_seconds(self, func: Any, args: tuple, kwargs: dict, out: Any, flops: int) -> float:
         """Roofline time of one op; views move no data (NOTE [Metadata queries are timed as kernels])."""
@@ -97,6 +102,12 @@ def calibrate_cpu() -> Target:
     bandwidth = 2 * x.numel() * 4 / _median_seconds(lambda: torch.add(x, 1, out=y))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Target("cpu", {"float32": flops, "bfloat16": flops / 2, "float16": flops / 2}, bandwidth, memory, 1.0)
+
+
+def block_bytes_of(name: str | None) -> BlockBytes | None:
+    """What target ``name``'s allocator counts for a storage (None: exactly, as on a CPU or a real profile)."""
+    target = TARGETS.get(name.lower()) if name is not None else None
+    return target.block_bytes() if target is not None else None
 
 
 def get_target(name: str) -> Target:
