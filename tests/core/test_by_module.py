@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import zoo
+from remat.core._memo import STRUCTURES
 from remat.core._region import recompute_observer
-from remat.core.checkpoint import _STRUCTURES
 
 pytest.importorskip("transformers")
 aten = torch.ops.aten
@@ -70,7 +70,7 @@ class ModesSeen(nn.Module):
 
 
 def _region_types(block: nn.Module) -> list[str]:
-    (structure,) = _STRUCTURES[block].values()
+    (structure,) = STRUCTURES[block].values()
     return sorted(type(ref()).__name__ for ref, _ in structure.regions)
 
 

@@ -252,7 +252,7 @@ class _NoisyBlock(nn.Module):
 
 
 def test_selective_by_module_never_makes_a_drawing_submodule_a_region() -> None:
-    from remat.core.checkpoint import _STRUCTURES
+    from remat.core._memo import STRUCTURES
 
     block = _NoisyBlock()
     ref, ref_out, _ = _step(block, None)
@@ -262,7 +262,7 @@ def test_selective_by_module_never_makes_a_drawing_submodule_a_region() -> None:
         assert torch.equal(out, ref_out), call
         assert _max_diff(grads, ref) == 0.0, call
     assert _CountingGELU.calls == gelu + 2, "the GELU region was not recomputed"
-    (structure,) = _STRUCTURES[block].values()
+    (structure,) = STRUCTURES[block].values()
     assert sorted(type(ref()).__name__ for ref, _ in structure.regions) == ["LayerNorm", "_CountingGELU"]
 
 

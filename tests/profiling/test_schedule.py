@@ -6,8 +6,8 @@ from conftest import measure_wrapped
 from torch import nn
 
 import remat
+from remat.core._memo import STRUCTURES
 from remat.core._step import training_step
-from remat.core.checkpoint import _STRUCTURES
 from remat.profiling._schedule import trace_schedule
 from remat.zoo import build
 
@@ -52,7 +52,7 @@ def test_one_profile_of_both_selective_policies_equals_a_profile_of_each(trained
             remat.wrap(m, policy="selective")
         for _ in range(2):
             training_step(zoo.model, zoo.inputs, zoo.loss_fn)
-        assert all(m in _STRUCTURES for m in blocks)
+        assert all(m in STRUCTURES for m in blocks)
         for m in blocks:
             remat.unwrap(m)
         zoo.model.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core._policy_registry import SELECTIVE, SELECTIVE_OPS
 from remat.profiling._types import Profile
 from remat.zoo import ZooModel, build
 
@@ -39,7 +40,7 @@ def as_measured(truth: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(truth)
     for entry in out["models"].values():
         for row in entry["assignments"].values():
-            row["policies"] = {b: "selective-ops" if p == "selective" else p for b, p in row["policies"].items()}
+            row["policies"] = {b: SELECTIVE_OPS if p == SELECTIVE else p for b, p in row["policies"].items()}
     return out
 
 

@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from remat.core._cheap_regions import Writes, _Frame, _Outputs
-from remat.core._region import _written_tensors, storage_key
 from remat.core._rng import draws_random, fingerprint
+from remat.core._writes import storage_key, written_tensors
 
 _local = threading.local()
 
@@ -164,7 +164,7 @@ class StructureRecorder(TorchDispatchMode):
         heavy = self.heavy(func) or draws_random(func)
         self.any_heavy |= heavy
         if self.stack:
-            writes = {storage_key(t) for t in _written_tensors(func, args, kwargs)}
+            writes = {storage_key(t) for t in written_tensors(func, args, kwargs)}
             work = not getattr(func, "is_view", False)
             for seen in self.stack:
                 seen.heavy |= heavy

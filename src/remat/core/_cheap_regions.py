@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.core._region import _bookkeeping, observed_recomputation, storage_key
+from remat.core._region import _bookkeeping, observed_recomputation
+from remat.core._writes import storage_key
 
 Writes = tuple[tuple[weakref.ref, str], ...]
 """(module, buffer name) of the buffers a region wrote on its block's first call."""

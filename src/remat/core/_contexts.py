@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.core._region import Learned, Region, _bookkeeping, _written_tensors, observed_recomputation, storage_key
+from remat.core._region import Learned, Region, _bookkeeping, observed_recomputation
+from remat.core._writes import storage_key, written_tensors
 
 
 class _CopyOnWrite(TorchDispatchMode):
@@ -28,7 +29,7 @@ class _CopyOnWrite(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        for t in _written_tensors(func, args, kwargs):
+        for t in written_tensors(func, args, kwargs):
             self.region.note_write(t)
         return func(*args, **kwargs)
 

@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat.core._collectives import is_cpu_collective, run_settled
-from remat.core._region import _written_tensors
+from remat.core._writes import written_tensors
 
 T = TypeVar("T")
 
@@ -188,7 +188,7 @@ class StorageTracker(TorchDispatchMode):
     def _discover(self, func: Any, args: tuple, kwargs: dict) -> None:
         if not getattr(getattr(func, "_schema", None), "is_mutable", False):
             return
-        for t in _written_tensors(func, args, kwargs):
+        for t in written_tensors(func, args, kwargs):
             for st in storages(t):
                 if st._cdata not in self.live and st._cdata not in self.known:
                     self.known.add(st._cdata)

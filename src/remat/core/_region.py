@@ -62,6 +62,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.core._timing import WallClock
+from remat.core._writes import storage_key
 
 _local = threading.local()
 
@@ -138,42 +139,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, *, expected: bool) -> bool:
         return torch.equal(a, b)
     except DataDependentOutputException:
         return not expected
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _unannotated_writes() -> dict:
-    # Legacy batch-norm kernels update running_mean/var (args 3 and 4) in place
-    # although their schemas do not say so (``Tensor? running_mean``, no ``(a!)``).
-    aten = torch.ops.aten
-    ops = {}
-    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
-        packet = getattr(aten, name, None)
-        if packet is not None:
-            ops[packet.default] = (3, 4)
-    return ops
-
-
-_UNANNOTATED_WRITES = _unannotated_writes()
-
-
-def _written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
-    for i in _UNANNOTATED_WRITES.get(func, ()):
-        if i < len(args) and isinstance(args[i], torch.Tensor):
-            yield args[i]
-    schema = func._schema
-    if not schema.is_mutable:
-        return
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
 #: Buffers up to this many bytes are copied on entering their module without a dispatch mode.

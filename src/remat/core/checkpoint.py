@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,6 +37,7 @@ from torch.utils.checkpoint import (
 from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWritten, Stacked
+from remat.core._memo import STRUCTURES, device_markers, learned_memo, memo_key
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE
 from remat.core._region import Region
@@ -72,64 +71,14 @@ def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options
     return forward, Stacked(written, recompute, ReplayContext(ledger)) if replay_rng else Stacked(written, recompute)
 
 
-_MARKERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _device_markers(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    # torch infers the device (RNG, autocast) from tensor arguments; see the NOTE above. A marker is
-    # never written or saved, so one per device serves every call; fake and meta runs get their own.
-    devices = {t.device: type(t) in (torch.Tensor, nn.Parameter) and t.device.type != "meta" for t in inputs}
-    return [_marker(d) if plain else torch.empty(0, device=d) for d, plain in devices.items()]
-
-
-def _marker(device: torch.device) -> torch.Tensor:
-    marker = _MARKERS.get(device)
-    if marker is None:
-        marker = _MARKERS[device] = torch.empty(0, device=device)
-    return marker
-
-
-#: What each callable's first forward wrote, per training flag (see remat.core._region).
-_LEARNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Each callable's cheap submodules under "selective", per training flag (remat.core._by_module).
-_STRUCTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _memo_key(fn: Callable) -> tuple[Any, Any] | None:
-    """(weakly held owner, key within it) naming ``fn`` across calls; None when it has no stable identity."""
-    if isinstance(fn, functools.partial):
-        return None  # rebuilt on every call (e.g. by Hugging Face layers)
-    # isinstance, not getattr(fn, "__self__"): on a module that getattr raises inside Module.__getattr__, a cost
-    # paid at every call of every checkpointed block
-    if isinstance(fn, types.MethodType):  # a bound method: a new object on every access
-        owner = fn.__self__
-        return owner, (fn.__func__, getattr(owner, "training", None))
-    return fn, (None, getattr(fn, "training", None))
-
-
-def _learned_memo(fn: Callable, memo: weakref.WeakKeyDictionary = _LEARNED) -> tuple[Any, Callable[[Any], None]]:
-    key = _memo_key(fn)
-    try:
-        table = memo.get(key[0]) if key is not None else None
-    except TypeError:  # not weakly referenceable or not hashable
-        key = table = None
-    if key is None:
-        return None, lambda learned: None
-
-    def remember(learned: Any) -> None:
-        memo.setdefault(key[0], {})[key[1]] = learned
-
-    return (table or {}).get(key[1]), remember
-
-
 def forget_structure(module: nn.Module) -> None:
     """Forget what "selective" learned about ``module``: its next selective call learns again, op-level."""
     current = module.__dict__.get("forward")
     inner = current.inner if isinstance(current, _CheckpointedForward) else current
-    key = _memo_key(inner) if inner is not None else None
+    key = memo_key(inner) if inner is not None else None
     for owner in (module, key[0] if key is not None else None):
         try:
-            _STRUCTURES.pop(owner, None)
+            STRUCTURES.pop(owner, None)
         except TypeError:  # None, or not weakly referenceable: nothing remembered
             pass
 
@@ -184,13 +133,13 @@ def _run_checkpointed(
         and options.contexts is None
         and not _inside_saved_tensor_hooks()
     ):
-        structure, remember_structure = _learned_memo(fn, _STRUCTURES)  # NOTE in remat.core._by_module
+        structure, remember_structure = learned_memo(fn, STRUCTURES)  # NOTE in remat.core._by_module
         regions = structure.live() if structure is not None else None
         if regions:
             return run_by_module(fn, regions, args, kwargs, owner)
         if regions is None:
             recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
-    learned, remember = _learned_memo(fn)
+    learned, remember = learned_memo(fn)
     region = Region(args, kwargs, learned, owner)
     policy_fn = policy_function(policy)
     phase = {"forward": True}
@@ -208,7 +157,7 @@ def _run_checkpointed(
             fwd = Stacked(fwd, recorder)
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
 
-    markers = _device_markers(region.input_tensors())
+    markers = device_markers(region.input_tensors())
     nested = _inside_saved_tensor_hooks()
 
     def run(_holder: Region, *tensors: torch.Tensor) -> Any:

@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map
 
 from remat.core._memtrack import op_tensors
-from remat.core._region import _written_tensors
 from remat.core._rng import draws_random
+from remat.core._writes import written_tensors
 from remat.profiling._kernel_layouts import SUGGESTED_FORMAT, _input_of, laid_out
 
 aten = torch.ops.aten
@@ -136,7 +136,7 @@ class ValueShadows(TorchDispatchMode):
             for fake, twin in zip(outs, op_tensors(real_out)):
                 self._keep(fake, twin)
         elif getattr(getattr(func, "_schema", None), "is_mutable", False):
-            for t in _written_tensors(func, args, kwargs):
+            for t in written_tensors(func, args, kwargs):
                 self._twins.pop(id(t), None)
         if self.layouts and func in SUGGESTED_FORMAT:
             return self._laid_out(func, args, kwargs, out)

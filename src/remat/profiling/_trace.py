@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
-from remat.core._region import _written_tensors, in_bookkeeping, recompute_observer
+from remat.core._region import in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
+from remat.core._writes import written_tensors
 from remat.core.checkpoint import SAVE_OPS
 from remat.profiling._crossing_ledger import CrossingLedger
 from remat.profiling._flops import op_flops
@@ -209,7 +210,7 @@ class SegmentRecorder:
             self.ledger.note_made(seg, out, self._casts)
             if func._schema.is_mutable and not seg.writes_input:
                 seg.writes_input = any(
-                    st._cdata in self._call_inputs for t in _written_tensors(func, args, kwargs) for st in storages(t)
+                    st._cdata in self._call_inputs for t in written_tensors(func, args, kwargs) for st in storages(t)
                 )
         if seg.phase == "fwd":
             self.ledger.note_reads(seg.block, (args, kwargs))
