@@ -16,19 +16,32 @@ bf16 autocast) for GPT-2 and Llama zoo configurations. From them:
   maxima (see ``_workspace``).
 * Persistent bytes: every measured ``resting`` exceeds parameters + buffers +
   inputs, counted as the allocator's blocks (NOTE [Blocks the caching allocator
-  hands out]), by 65.1 to 69.1 MiB, allocated once and kept (cuBLAS/cuBLASLt
-  workspaces are the likely owners; not verified). One exceeds them by 56.0 MiB:
-  fp32 Llama 4x1024, whose 11 MiB parameters took no 12 MiB blocks there (likely
-  blocks cached from the configurations measured before it in the same process).
-  66 MiB, the typical value, is added to a fake profile's resting bytes.
+  hands out]), by 65.1 to 69.1 MiB, allocated once and kept. One exceeds them by
+  56.0 MiB: fp32 Llama 4x1024, whose 11 MiB parameters took no 12 MiB blocks there
+  (likely blocks cached from the configurations measured before it in the same
+  process). NOTE [Library memory kept across steps] models the 66 MiB.
 
 The A100 entry uses the same kernel rules for sm80 (cuDNN last in the order, as
 torch 2.11 orders it off sm90/sm100) and the same workspace models with A100's SM
-count; it has no measurement behind it and no persistent bytes.
+count; it has no measurement behind it.
+
+NOTE [Library memory kept across steps]
+torch allocates a cuBLAS workspace through the caching allocator for each (cuBLAS
+handle, stream) that runs a matmul, and keeps it: ``CUBLAS_WORKSPACE_CONFIG``'s
+``:SIZE:COUNT`` pairs (KiB) sum to its size, by default 32 MiB on sm90 and later,
+8 MiB + 128 KiB before (``parseChosenWorkspaceSize`` in torch's
+``CublasHandlePool.cpp``). Handles are per thread, and a training step runs matmuls
+on two, the caller's (forward) and the autograd engine's (backward), on one stream:
+two workspaces, 64 MiB on an H100, and 2 MiB more were measured there (66 MiB, the
+typical excess above). The 2 MiB are taken as they are for every device (cuBLASLt's
+workspaces, likely; not verified), and the workspaces follow the variable, which
+``torch.use_deterministic_algorithms`` asks users to set (``:4096:8`` or ``:16:8``).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 from remat.profiling._cuda_kernels import SdpaRules
@@ -48,11 +61,32 @@ class CudaTable:
     """The torch version the kernel choices and workspaces were seen with."""
     gpu: Gpu
     sdpa: SdpaRules
-    persistent_bytes: int
-    """Allocated once and kept across steps (library workspaces): part of resting memory."""
+    cublas_workspace_bytes: int
+    """cuBLAS's workspace per handle and stream where ``CUBLAS_WORKSPACE_CONFIG`` is unset."""
+    other_library_bytes: int
+    """Kept across steps beside the cuBLAS workspaces (NOTE [Library memory kept across steps])."""
     workspace: tuple[str, ...]
     """Workspace models that apply (names in ``remat.profiling._workspace``)."""
     measured: bool
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Allocated once and kept across steps (library workspaces): part of resting memory."""
+        return CUBLAS_HANDLES * cublas_workspace(self.cublas_workspace_bytes) + self.other_library_bytes
+
+
+#: Threads that run a training step's matmuls, each with its own cuBLAS handle: the caller's and autograd's.
+CUBLAS_HANDLES = 2
+
+
+def cublas_workspace(default: int) -> int:
+    """The cuBLAS workspace per handle and stream ``CUBLAS_WORKSPACE_CONFIG`` asks for (``default`` where it is
+    unset or not understood, as torch takes it)."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if not pairs:
+        return default
+    return sum(int(size) * 1024 * int(count) for size, count in pairs)
 
 
 _MODELS = ("reduce", "safe_softmax", "softmax_backward", "embedding_backward", "attention_backward")
@@ -63,7 +97,8 @@ H100 = CudaTable(
     torch="2.11.0+cu130",
     gpu=Gpu(sm_count=132, max_threads_per_sm=2048),
     sdpa=SdpaRules(prefer_cudnn=True, efficient_gqa=False, cudnn_max_head_dim=128, sm_major=9),
-    persistent_bytes=66 * MiB,
+    cublas_workspace_bytes=32 * MiB,  # :4096:8
+    other_library_bytes=2 * MiB,
     workspace=_MODELS,
     measured=True,
 )
@@ -74,7 +109,8 @@ A100 = CudaTable(
     torch="2.11",
     gpu=Gpu(sm_count=108, max_threads_per_sm=2048),
     sdpa=SdpaRules(prefer_cudnn=False, efficient_gqa=False, cudnn_max_head_dim=128, sm_major=8),
-    persistent_bytes=0,
+    cublas_workspace_bytes=8 * MiB + 128 * 1024,  # :4096:2:16:8
+    other_library_bytes=2 * MiB,
     workspace=_MODELS,
     measured=False,
 )
