@@ -1,5 +1,10 @@
 """The CUDA caching allocator's block sizes, as fake profiles for a CUDA target count them."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -72,3 +77,27 @@ def test_a_fake_cuda_profile_counts_blocks_and_a_cpu_one_bytes():
     # beside the libraries' bytes, the peaks differ by at least the slack of 4 weights, their 4 gradients and the
     # 2 saved activations (the GPU's kernels may add workspace)
     assert cuda.baseline_peak_bytes - H100.persistent_bytes - cpu.baseline_peak_bytes >= (4 + 4 + 2) * MiB
+
+
+_FRESH_ALLOCATIONS = """
+import json, sys, torch
+counted = []
+for nbytes in json.loads(sys.argv[1]):
+    before = torch.cuda.memory_allocated()
+    t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    counted.append(torch.cuda.memory_allocated() - before)
+    del t
+    torch.cuda.empty_cache()  # the next request finds no cached block: a new segment, as the rule assumes
+print(json.dumps(counted))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_allocator_counts_blocks_as_the_rule_says():
+    sizes = [4, 513, MiB, MiB + 1, 11 * MiB, 13 * MiB, int(12.5 * MiB), 22 * MiB]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH_ALLOCATIONS, json.dumps(sizes)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [cuda_block_bytes(n) for n in sizes]
