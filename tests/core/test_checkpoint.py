@@ -1,5 +1,6 @@
 """remat.checkpoint: every guarantee against the un-checkpointed model, bit for bit."""
 
+import functools
 import warnings
 
 import pytest
@@ -311,6 +312,52 @@ def test_selective_policy_keeps_matmuls_and_matches_gradients():
     step(counter, x, fn=lambda t: remat.checkpoint(counter, t, policy="selective"))
     assert counter.calls == 2
     assert_grads_equal(ref, model)
+
+
+class ScoresPlusBias(nn.Module):
+    """Attention-style scores written in place: a batched matmul returns ``_unsafe_view`` of its ``bmm``, whose
+    version counter is its own, so ``+=`` writes the cached ``bmm`` output without a version change."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = torch.matmul(self.q(x), self.k(x).transpose(-1, -2))
+        scores += torch.linspace(0.0, 1.0, scores.shape[-1])  # a position bias, added once
+        return torch.softmax(scores, -1) @ x
+
+
+_KEEP_MATMULS = functools.partial(
+    tc.create_selective_checkpoint_contexts,
+    [torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default],
+)
+
+
+@pytest.mark.parametrize("policy", ["selective", "selective-ops", "torch-context-fn"])
+def test_a_cached_matmul_written_through_its_unsafe_view_is_recomputed(policy):
+    # NOTE [Cached outputs written in place] in remat.core._contexts: BigBird's block-sparse attention
+    ref = ScoresPlusBias()
+    model = twin(ref)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    step(ref, x)
+    counter = Counting(model)
+    if policy == "torch-context-fn":
+        step(counter, x, fn=lambda t: remat.checkpoint(counter, t, context_fn=_KEEP_MATMULS))
+    else:
+        step(counter, x, fn=lambda t: remat.checkpoint(counter, t, policy=policy))
+    assert counter.calls == 2
+    assert_grads_equal(ref, model)
+
+
+def test_torch_selective_checkpoint_misses_a_write_through_an_unsafe_view():
+    """Contrast for the test above: torch hands the written ``bmm`` output back in recompute."""
+    ref = ScoresPlusBias()
+    model = twin(ref)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    step(ref, x)
+    step(model, x, fn=lambda t: tc.checkpoint(model, t, use_reentrant=False, context_fn=_KEEP_MATMULS))
+    assert not torch.equal(ref.q.weight.grad, model.q.weight.grad)
 
 
 def test_decorator_form():

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.core._region import Learned, Region, _bookkeeping, observed_recomputation
-from remat.core._writes import storage_key, written_tensors
+from remat.core._writes import UNANNOTATED_WRITES, storage_key, written_tensors
 
 
 class _CopyOnWrite(TorchDispatchMode):
@@ -166,31 +166,70 @@ class RecomputeContext:
 # the forward made. Entries written during the forward are let go at its end (nothing reads them
 # again; the write's own output is what the rest holds), those written later when a recomputation
 # begins. Reads torch's private cache (a dict of op -> {call index: entry}); without it, torch's check.
+#
+# A write is seen by the entry's version counter, and, during the forward, by its storage: ``matmul``
+# of batched operands returns ``_unsafe_view`` of its ``bmm``, a tensor with a version counter of its
+# own, so ``scores = q @ k.transpose(-1, -2); scores += mask`` writes the cached ``bmm`` output and
+# leaves its version as it was (torch's check misses it too, and the gradients came out wrong: BigBird's
+# block-sparse attention, ``context_layer += ...``). The policy torch asks before every forward op
+# (``ForwardWrites``) notes the storages each op writes; a cached entry on one of them is recomputed.
+# A storage freed and another made at its address may make an entry recomputed needlessly (time, never
+# a value). After the forward only the version counter tells: a later write through such an alias (the
+# next block writing this one's matmul output in place) is not seen, but an op's cached output that is
+# the block's output is read by nothing in its recomputation.
 _CACHED_RECOMPUTE = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
 
 
-def _written_since_cached(entry: Any) -> bool:
+def _written_since_cached(entry: Any, written: set[int]) -> bool:
     for wrapper in tree_flatten(entry)[0]:
         value, version = getattr(wrapper, "val", None), getattr(wrapper, "version", None)
-        if isinstance(value, torch.Tensor) and version is not None and value._version != version:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if (version is not None and value._version != version) or storage_key(value) in written:
             return True
     return False
 
 
+_MUTABLE: dict[Any, bool] = {}
+
+
+def _writes(func: Any) -> bool:
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        schema = getattr(func, "_schema", None)
+        mutable = _MUTABLE[func] = bool(getattr(schema, "is_mutable", False)) or func in UNANNOTATED_WRITES
+    return mutable
+
+
+class ForwardWrites:
+    """The selective policy as torch asks it, noting the storages each forward op writes in place (NOTE above)."""
+
+    def __init__(self, policy: Callable[..., Any]) -> None:
+        self.policy = policy
+        self.keys: set[int] = set()
+
+    def decide(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if not ctx.is_recompute and _writes(func):
+            self.keys.update(storage_key(t) for t in written_tensors(func, args, kwargs))
+        return self.policy(ctx, func, *args, **kwargs)
+
+
 class RecomputeWritten:
     """Turns cached outputs written in place into ones recomputed (NOTE above): on entering a recomputation,
-    or (``at_exit``) on leaving the forward."""
+    or (``at_exit``) on leaving the forward. ``writes``: the storages the forward wrote."""
 
-    def __init__(self, sac_mode: Any, at_exit: bool = False) -> None:
+    def __init__(self, sac_mode: Any, at_exit: bool = False, writes: ForwardWrites | None = None) -> None:
         self.storage = getattr(sac_mode, "storage", None)
         self.at_exit = at_exit
+        self.writes = writes
 
     def _recompute_written(self) -> None:
         if _CACHED_RECOMPUTE is None or not isinstance(self.storage, dict):
             return
+        written = self.writes.keys if self.writes is not None else set()
         for entries in self.storage.values():
             for index, entry in entries.items():
-                if _written_since_cached(entry):
+                if _written_since_cached(entry, written):
                     entries[index] = _CACHED_RECOMPUTE
 
     def __enter__(self) -> None:

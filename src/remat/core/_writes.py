@@ -25,13 +25,13 @@ def _unannotated_writes() -> dict:
     return ops
 
 
-_UNANNOTATED_WRITES = _unannotated_writes()
+UNANNOTATED_WRITES = _unannotated_writes()
 
 
 def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     """The tensors ``func`` writes in place among ``args`` and ``kwargs``: those its schema marks written, and
     the running statistics of the batch-norm kernels whose schemas do not say so."""
-    for i in _UNANNOTATED_WRITES.get(func, ()):
+    for i in UNANNOTATED_WRITES.get(func, ()):
         if i < len(args) and isinstance(args[i], torch.Tensor):
             yield args[i]
     schema = func._schema

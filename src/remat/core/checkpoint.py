@@ -36,7 +36,7 @@ from torch.utils.checkpoint import (
 
 from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
-from remat.core._contexts import ForwardContext, RecomputeContext, RecomputeWritten, Stacked
+from remat.core._contexts import ForwardContext, ForwardWrites, RecomputeContext, RecomputeWritten, Stacked
 from remat.core._memo import STRUCTURES, device_markers, learned_memo, memo_key
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE
@@ -61,13 +61,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
     # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
     ledger = RngLedger(policy_fn)
+    writes = ForwardWrites(ledger.decide)  # NOTE [Cached outputs written in place] in remat.core._contexts
     forward, recompute = create_selective_checkpoint_contexts(
-        ledger.decide, allow_cache_entry_mutation=options.allow_cache_entry_mutation
+        writes.decide, allow_cache_entry_mutation=options.allow_cache_entry_mutation
     )
     route_saved_tensors_hooks(forward, options)  # NOTE in remat.core._torch_options
-    # NOTE [Cached outputs written in place] in remat.core._contexts
     written = RecomputeWritten(recompute)
-    forward = Stacked(RecomputeWritten(forward, at_exit=True), forward)
+    forward = Stacked(RecomputeWritten(forward, at_exit=True, writes=writes), forward)
     return forward, Stacked(written, recompute, ReplayContext(ledger)) if replay_rng else Stacked(written, recompute)
 
 
