@@ -659,6 +659,51 @@ def test_a_segment_over_blocks_called_with_other_arguments_is_refused_and_never_
             remat.remove(model)
 
 
+class _KeywordBlock(_BiasBlock):
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class _SomeGetKeyword(nn.Module):
+    """A diffusers down block: its resnets are called ``resnet(h, temb=None)``, its downsamplers ``down(h)``."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(d, d), nn.Linear(d, 10)
+        self.blocks = nn.ModuleList(_KeywordBlock(d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for k, block in enumerate(self.blocks):
+            h = block(h, temb=None) if k < 2 else block(h)
+        return self.head(h).logsumexp(-1).mean()
+
+
+def test_blocks_called_with_other_non_tensor_arguments_share_no_planned_segment():
+    # NOTE [Arguments a segment hands on]: the profile records how each block is called beyond tensors; a plan
+    # once held blocks 1..2 in one segment, which the first step refused (NotAChain), and auto's floor was a lie
+    from remat.planning._nested import costs_of
+
+    torch.manual_seed(0)
+    model, x = _SomeGetKeyword(), torch.randn(4, 64, 8)
+    reference = _grads(model, x)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    assert prof.new_arguments == ("blocks.2",)
+    assert costs_of(prof).same_args.tolist() == [True, True, False, True]
+    assert remat.Profile.from_json(prof.to_json()).new_arguments == ("blocks.2",)
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    for budget in (floor, (floor + prof.baseline_peak_bytes) // 2):
+        plan = remat.plan(prof, budget)
+        names = [b.name for b in prof.blocks]
+        assert all(names.index(a) >= 2 or names.index(b) < 2 for a, b in plan.segments), plan.segments
+        remat.apply(model, plan)
+        try:
+            assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
+            assert remat.measure(model, x, repeat=1, warmup=0).peak_bytes <= plan.predicted_peak_bytes <= budget
+        finally:
+            remat.remove(model)
+
+
 class _Residual(nn.Module):
     def __init__(self, d: int = 8, relu_first: bool = False) -> None:
         super().__init__()

@@ -19,6 +19,14 @@ TOLERANCE = 0.03
 # Known misses (strict: passing one fails the suite until its mark goes). None since fake profiles count the
 # caching allocator's blocks (NOTE [Blocks the caching allocator hands out]): Llama 4x1024 in bf16 was -4.3%.
 MISSES: set[tuple[str, str]] = set()
+# Rows that no longer describe remat (strict: each must be predicted below its measurement, or the mark goes).
+# fp32 Llama ran SDPA's math path, which adds the causal mask in place to the matmul output selective keeps (an
+# _unsafe_view: no version change); remat then kept the written scores, and now recomputes them (NOTE [Cached
+# outputs written in place]), keeping 15-40% less. To be measured again on a GPU (issue #31).
+STALE = {
+    ("h100.json", "llama-4x1024"): {"all-selective", "mixed"},
+    ("h100.json", "llama-1b-2048"): {"all-selective", "mixed"},
+}
 CASES = [
     pytest.param(
         name,
@@ -56,6 +64,9 @@ def test_fake_h100_profile_predicts_measured_peaks(name, label, monkeypatch):
     assert calls == {(False, True, gqa)}, f"SDPA called as (mask, is_causal, enable_gqa) {calls}"
     rows = compare(truth, label, prof)
     assert len(rows) == 6
+    stale = STALE.get((name, label), set())
+    assert all(r.peak_error < -TOLERANCE for r in rows if r.assignment in stale), [r.peak_error for r in rows]
+    rows = [r for r in rows if r.assignment not in stale]
     worst = max(rows, key=lambda r: abs(r.peak_error))
     report = ", ".join(f"{r.assignment} {r.peak_error:+.2%}" for r in rows)
     assert abs(worst.peak_error) <= TOLERANCE, report

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.core._region import Learned, Region, _bookkeeping, observed_recomputation
+from remat.core._rng import POLICY_AFTER_OP, SAVE_DECISIONS
 from remat.core._writes import UNANNOTATED_WRITES, storage_key, written_tensors
 
 
@@ -171,12 +172,14 @@ class RecomputeContext:
 # of batched operands returns ``_unsafe_view`` of its ``bmm``, a tensor with a version counter of its
 # own, so ``scores = q @ k.transpose(-1, -2); scores += mask`` writes the cached ``bmm`` output and
 # leaves its version as it was (torch's check misses it too, and the gradients came out wrong: BigBird's
-# block-sparse attention, ``context_layer += ...``). The policy torch asks before every forward op
-# (``ForwardWrites``) notes the storages each op writes; a cached entry on one of them is recomputed.
-# A storage freed and another made at its address may make an entry recomputed needlessly (time, never
-# a value). After the forward only the version counter tells: a later write through such an alias (the
-# next block writing this one's matmul output in place) is not seen, but an op's cached output that is
-# the block's output is read by nothing in its recomputation.
+# block-sparse attention, ``context_layer += ...``). The policy torch asks at every forward op
+# (``ForwardWrites``) notes the storages of kept outputs that a later op writes; such an entry is
+# recomputed. Only storages kept before the write count: the allocator hands a freed storage's
+# address to the next one, and a write to an earlier storage at a kept output's address would make
+# the entry recomputed in one run and kept in the next, and the peak with it. After the forward only
+# the version counter tells: a later write through such an alias (the next block writing this one's
+# matmul output in place) is not seen, but an op's cached output that is the block's output is read
+# by nothing in its recomputation.
 _CACHED_RECOMPUTE = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)
 
 
@@ -202,16 +205,30 @@ def _writes(func: Any) -> bool:
 
 
 class ForwardWrites:
-    """The selective policy as torch asks it, noting the storages each forward op writes in place (NOTE above)."""
+    """The selective policy as torch asks it, noting the storages of kept outputs that later forward ops write in
+    place (NOTE above)."""
 
     def __init__(self, policy: Callable[..., Any]) -> None:
         self.policy = policy
         self.keys: set[int] = set()
+        """Storages of kept outputs written after they were kept."""
+        self.kept: set[int] | None = set() if POLICY_AFTER_OP else None
+        """Storages of the outputs kept so far; None where torch asks the policy before the op runs (its output
+        unseen): every write counts then, and may make an entry recomputed needlessly."""
 
     def decide(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        if not ctx.is_recompute and _writes(func):
-            self.keys.update(storage_key(t) for t in written_tensors(func, args, kwargs))
-        return self.policy(ctx, func, *args, **kwargs)
+        decision = self.policy(ctx, func, *args, **kwargs)
+        if ctx.is_recompute:
+            return decision
+        if _writes(func):
+            for t in written_tensors(func, args, kwargs):
+                key = storage_key(t)
+                if self.kept is None or key in self.kept:  # a kept output lives on: its storage is no other's
+                    self.keys.add(key)
+        if self.kept is not None and decision in SAVE_DECISIONS:
+            outputs = tree_flatten(getattr(ctx, "op_output", None))[0]
+            self.kept.update(storage_key(t) for t in outputs if isinstance(t, torch.Tensor))
+        return decision
 
 
 class RecomputeWritten:

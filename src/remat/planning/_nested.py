@@ -105,8 +105,11 @@ others, before the parent's call of it could be checked. The profile records whi
 made outside the blocks each block receives (``Profile.crossings``); a block whose set differs
 from the block before it starts a new run (``Costs.same_args``): no segment holds both. The
 chain's input, which the first block alone receives, is its hand-off, not an argument.
-Arguments that are not tensors the profile cannot see: ``remat.core._segment`` still refuses
-a chain whose calls differ at run time.
+Arguments that are not tensors (their number, keywords and values: a diffusers down block calls
+its resnets with ``temb=None`` and its downsampler without) the profile records as the run-time
+check compares them, each value by identity (``Profile.new_arguments``), and a block called
+otherwise than the block before it starts a new run too. ``remat.core._segment`` still refuses a
+chain whose calls differ at run time (a plan made by hand, a call that changes between steps).
 """
 
 from __future__ import annotations
@@ -354,7 +357,8 @@ def _same_args(profile: Profile, ch: Chain) -> np.ndarray:
         if crossing.producer is None and receivers != {0}:
             for k in receivers - {-1}:
                 got[k].add(i)
-    return np.array([True] + [got[k] == got[k - 1] for k in range(1, len(got))])
+    moved = set(profile.new_arguments)
+    return np.array([True] + [got[k] == got[k - 1] and ch.blocks[k] not in moved for k in range(1, len(got))])
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:

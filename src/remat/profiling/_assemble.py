@@ -21,7 +21,7 @@ from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._segment import Segment
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
-Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list], dict[str, set]]
+Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list], dict[str, set], dict[str, tuple]]
 """What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
 
 
@@ -83,6 +83,7 @@ def assemble(
             "remat.planning._nested).",
         ]
     step_time = sum(s.op_s for s in keep) if fake else statistics.median(keep_steps)
+    forward_blocks = [s.block for s in keep if s.phase == "fwd" and s.block]
     return Profile(
         model=type(model).__name__,
         device=device or str(next((p.device for p in params), "cpu")),
@@ -100,7 +101,8 @@ def assemble(
             {p: ledger[1] for p, ledger in (crossings or {}).items()},
             {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2},
         ),
-        unchained=_unchained((crossings or {}).get(KEEP), [s.block for s in keep if s.phase == "fwd" and s.block]),
+        unchained=_unchained((crossings or {}).get(KEEP), forward_blocks),
+        new_arguments=_new_arguments((crossings or {}).get(KEEP), forward_blocks),
         fake=fake,
         target=target,
         notes=list(notes),
@@ -118,6 +120,16 @@ def _unchained(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
     reads = ledger[3]
     following = dict(zip(fwd_blocks, fwd_blocks[1:]))
     return tuple(b for b in dict.fromkeys(fwd_blocks) if reads.get(b, set()) - {following.get(b)})
+
+
+def _new_arguments(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
+    """Blocks whose arguments other than tensors differ from those of the block called before them (NOTE [Arguments a
+    segment hands on] in remat.planning._nested), from the run without checkpointing."""
+    if ledger is None or len(ledger) < 5:
+        return ()
+    forms = ledger[4]
+    order = list(dict.fromkeys(b for b in fwd_blocks if b in forms))
+    return tuple(b for a, b in zip(order, order[1:]) if forms[a] != forms[b])
 
 
 def _crossings(per_policy: dict[str, dict[tuple, dict]]) -> list[Crossing]:

@@ -6,8 +6,22 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from typing import Any
 
+import torch
+
 from remat.core._memtrack import StorageTracker, op_tensors, storages
 from remat.profiling._segment import Segment, tensors_in
+
+
+def call_form(args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """How a block is called, beside its first argument (the previous block's output in a chain) and the tensors
+    the crossings follow: the number of positional arguments, the keywords, and every other value by identity, as
+    ``remat.core._segment`` compares a segment's calls (NOTE [Arguments a segment hands on]); and the values to
+    keep alive until the step ends, so that no other object takes an identity meanwhile. A value holding tensors
+    is not kept: that would keep its tensors, and change the step's memory."""
+    values = (*args[1:], *(kwargs[k] for k in sorted(kwargs)))
+    kept = [v for v in values if not isinstance(v, torch.Tensor) and not tensors_in(v)]
+    identities = tuple(None if isinstance(v, torch.Tensor) else id(v) for v in values)
+    return (len(args), tuple(sorted(kwargs)), identities), kept
 
 
 class CrossingLedger:
@@ -32,8 +46,15 @@ class CrossingLedger:
         self.output_reads: dict[str, set[str | None]] = {}
         """Per block: the other forward segments (block, or None for the parent's code) whose ops read its
         output (NOTE [What the parent does with a block's output] in remat.planning._nested)."""
+        self.call_forms: dict[str, tuple] = {}
+        """Per block, its first call's arguments other than tensors (NOTE [Arguments a segment hands on])."""
+        self._arguments: list[Any] = []
+        """Those arguments, kept to the step's end: their identities stay theirs."""
 
     def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict) -> None:
+        if block not in self.call_forms:
+            self.call_forms[block], kept = call_form(args, kwargs)
+            self._arguments.append(kept)
         if self.tracker is None:
             return
         for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs)):

@@ -121,7 +121,13 @@ def traced_step(
         recorder.segments,
         recorder.io_bytes,
         resting,
-        (recorder.ledger.crossings, recorder.recomputes, recorder.trajectories, recorder.ledger.output_reads),
+        (
+            recorder.ledger.crossings,
+            recorder.recomputes,
+            recorder.trajectories,
+            recorder.ledger.output_reads,
+            recorder.ledger.call_forms,
+        ),
     )
 
 

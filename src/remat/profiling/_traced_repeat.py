@@ -173,6 +173,7 @@ def widen(prof: Profile, short: list[str], full: list[str]) -> Profile | None:
         recomputes=recomputes,
         step_time_s=step,
         unchained=tuple(full[i] for i in range(n) if short[source[i]] in prof.unchained),
+        new_arguments=tuple(full[i] for i in range(n) if short[source[i]] in prof.new_arguments),
         notes=[*prof.notes, note],
     )
 

@@ -130,6 +130,9 @@ class Profile:
     unchained: tuple[str, ...] = ()
     """Blocks whose output the forward reads other than as the next block's input (no nested segment runs
     past them: NOTE [What the parent does with a block's output] in remat.planning._nested)."""
+    new_arguments: tuple[str, ...] = ()
+    """Blocks called with other arguments than tensors (their number, keywords, values) than the block before them:
+    no nested segment holds both (NOTE [Arguments a segment hands on] in remat.planning._nested)."""
     parameters: int | None = None
     """Parameter elements of the profiled model: the plan's fingerprint of it (None in older profiles)."""
     optimizer: str | None = None
@@ -253,6 +256,7 @@ class Profile:
         data["crossings"] = [Crossing.from_json(c) for c in data.get("crossings", [])]
         data["recomputes"] = [Recompute.from_json(r) for r in data.get("recomputes", [])]
         data["unchained"] = tuple(data.get("unchained", ()))
+        data["new_arguments"] = tuple(data.get("new_arguments", ()))
         return cls(**data)
 
 
