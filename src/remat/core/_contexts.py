@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.core._region import Learned, Region, _bookkeeping, observed_recomputation
 from remat.core._rng import POLICY_AFTER_OP, SAVE_DECISIONS
-from remat.core._writes import UNANNOTATED_WRITES, storage_key, written_tensors
+from remat.core._writes import storage_key, writes_in_place, written_tensors
 
 
 class _CopyOnWrite(TorchDispatchMode):
@@ -193,17 +193,6 @@ def _written_since_cached(entry: Any, written: set[int]) -> bool:
     return False
 
 
-_MUTABLE: dict[Any, bool] = {}
-
-
-def _writes(func: Any) -> bool:
-    mutable = _MUTABLE.get(func)
-    if mutable is None:
-        schema = getattr(func, "_schema", None)
-        mutable = _MUTABLE[func] = bool(getattr(schema, "is_mutable", False)) or func in UNANNOTATED_WRITES
-    return mutable
-
-
 class ForwardWrites:
     """The selective policy as torch asks it, noting the storages of kept outputs that later forward ops write in
     place (NOTE above)."""
@@ -220,7 +209,7 @@ class ForwardWrites:
         decision = self.policy(ctx, func, *args, **kwargs)
         if ctx.is_recompute:
             return decision
-        if _writes(func):
+        if writes_in_place(func):
             for t in written_tensors(func, args, kwargs):
                 key = storage_key(t)
                 if self.kept is None or key in self.kept:  # a kept output lives on: its storage is no other's

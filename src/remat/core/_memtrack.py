@@ -152,6 +152,9 @@ class StorageTracker(TorchDispatchMode):
         self._born: dict[int, int] = {}
         """Called with a storage's key and bytes right after it is freed (``current`` already lowered)."""
 
+    def _counted(self, st: torch.UntypedStorage) -> int:
+        return st.nbytes() if self.block_bytes is None else self.block_bytes(st.nbytes())
+
     def _freed(self, key: int, _ref: weakref.ref) -> None:
         nbytes = self.live.pop(key, 0)
         self._refs.pop(key, None)
@@ -173,7 +176,7 @@ class StorageTracker(TorchDispatchMode):
         key = st._cdata
         if key in self.known:
             return
-        nbytes = st.nbytes() if self.block_bytes is None else self.block_bytes(st.nbytes())
+        nbytes = self._counted(st)
         old = self.live.get(key)
         if old is None:
             self.made += 1
@@ -192,7 +195,7 @@ class StorageTracker(TorchDispatchMode):
             for st in storages(t):
                 if st._cdata not in self.live and st._cdata not in self.known:
                     self.known.add(st._cdata)
-                    self.discovered += st.nbytes() if self.block_bytes is None else self.block_bytes(st.nbytes())
+                    self.discovered += self._counted(st)
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         if st._cdata in self.live or st.nbytes() > 0:

@@ -4,6 +4,7 @@ tracker watch."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -26,6 +27,18 @@ def _unannotated_writes() -> dict:
 
 
 UNANNOTATED_WRITES = _unannotated_writes()
+
+
+_WRITES: dict[Any, bool] = {}
+
+
+def writes_in_place(func: Any) -> bool:
+    """Whether ``func`` may write one of its arguments (:func:`written_tensors` yields something), asked once per op."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = _WRITES[func] = bool(getattr(schema, "is_mutable", False)) or func in UNANNOTATED_WRITES
+    return writes
 
 
 def written_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
