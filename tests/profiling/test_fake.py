@@ -166,3 +166,36 @@ def test_a_later_checkpointed_call_keeps_only_the_buffers_it_writes_on_fake_tens
         assert f.saved_bytes == r.saved_bytes, (r.name, r.saved_bytes, f.saved_bytes)
     if norm:  # the running statistics are written: their copies are kept on both
         assert real.blocks[1].saved_bytes["full"] > 0
+
+
+class _Scores(nn.Module):
+    """Attention-like scores plus a bias, in place (the cached ``bmm`` output is written: NOTE [Cached outputs
+    written in place] in remat.core._contexts) or not."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.in_place = in_place
+
+    def forward(self, x):
+        scores = torch.matmul(self.q(x), self.k(x).transpose(-1, -2))
+        bias = torch.linspace(0.0, 1.0, scores.shape[-1])
+        if self.in_place:
+            scores += bias
+        else:
+            scores = scores + bias
+        return x + torch.softmax(scores, -1) @ self.v(x)
+
+
+def test_a_fake_profile_charges_selective_for_recomputing_a_kept_output_written_in_place():
+    extra = {}
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(_Scores(in_place) for _ in range(3)))
+        prof = remat.profile(model, torch.randn(4, 256, 64), fake=True, target="cpu")  # where the bmm weighs
+        block = prof.blocks[1]
+        extra[in_place] = block.extra_time_s["selective-ops"], block.extra_time_s["full"]
+    (ops_out, full_out), (ops_in, full_in) = extra[False], extra[True]
+    # The written scores are recomputed: the bmm of 4 x 256 x 256 x 64, besides what selective recomputes anyway.
+    assert ops_in > ops_out * 1.2
+    assert ops_in <= full_in * 1.0001 and full_in == pytest.approx(full_out, rel=0.05)

@@ -196,13 +196,33 @@ def _crowded(per_policy: dict[str, dict[tuple, dict]]) -> set:
     return {key for key, recomputations in hosted.items() if len(recomputations) > 1}
 
 
-def _modelled_extra_time(fwd_s: float, fwd_segments: list[Segment]) -> dict[str, float]:
-    """Fake profiles: recomputing the forward, or the ops selective does not keep, at the target's speed."""
+def _modelled_extra_time(
+    fwd_s: float, fwd_segments: list[Segment], bwd_segments: dict[str, list[Segment]]
+) -> dict[str, float]:
+    """Fake profiles: recomputing the forward, or the ops selective does not keep, at the target's speed.
+
+    A selective policy also recomputes the outputs it would keep that a later forward op writes in place (NOTE
+    [Cached outputs written in place] in remat.core._contexts): its backward runs more of the kept ops
+    (``SAVE_OPS``) than keep's does, and those run again at their forward time.
+    """
     op_s = sum(s.op_s for s in fwd_segments)
     kept = sum(s.save_op_s for s in fwd_segments) / op_s if op_s > 0 else 0.0
-    # Both selective policies recompute the same ops here: the host time per op that sets them apart
+    scale = fwd_s / op_s if op_s > 0 else 0.0  # op time to the forward's modelled seconds
+
+    def written_again(policy: str) -> float:
+        if policy not in bwd_segments:
+            return 0.0
+        more = sum(s.save_op_s for s in bwd_segments[policy]) - sum(s.save_op_s for s in bwd_segments[KEEP])
+        return max(more, 0.0) * scale
+
+    # Both selective policies recompute the same ops otherwise: the host time per op that sets them apart
     # (NOTE in remat.core._by_module) is not modelled for a target.
-    return {KEEP: 0.0, SELECTIVE: fwd_s * (1.0 - kept), SELECTIVE_OPS: fwd_s * (1.0 - kept), FULL: fwd_s}
+    return {
+        KEEP: 0.0,
+        SELECTIVE: fwd_s * (1.0 - kept) + written_again(SELECTIVE),
+        SELECTIVE_OPS: fwd_s * (1.0 - kept) + written_again(SELECTIVE_OPS),
+        FULL: fwd_s,
+    }
 
 
 def _fine_recompute_share(flops: dict[str, dict[Key, int]], bwd_keys: list[Key]) -> float:
@@ -221,7 +241,8 @@ def _block_profiles(
 ) -> tuple[BlockProfile, ...]:
     """Per block; ``recompute`` holds measured recompute seconds (None on fake tensors)."""
     out = []
-    keep_segments = {s.key: s for s in traced[KEEP]}
+    by_key = {p: {s.key: s for s in traced[p]} for p in policies}
+    keep_segments = by_key[KEEP]
     flops = {p: {s.key: s.flops for s in traced[p]} for p in policies}
     if recompute is not None:  # see NOTE [The time model] in remat.core._timing
         block_fwd = [k for k in segments[KEEP] if k[0] == "fwd" and k[1] is not None]
@@ -240,7 +261,8 @@ def _block_profiles(
         inp, outp = io_bytes.get(name, (0, 0))
         fwd_s = total(KEEP, fwd_keys, "seconds")
         if recompute is None:
-            extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys])
+            bwd = {p: [by_key[p][k] for k in bwd_keys if k in by_key[p]] for p in policies}
+            extra = _modelled_extra_time(fwd_s, [keep_segments[k] for k in fwd_keys], bwd)
             if FINE in policies:
                 extra[FINE] = fwd_s * _fine_recompute_share(flops, bwd_keys)
         else:
