@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["CheckpointOptionError", "OutOfMemory", "RecomputeError", "RematError"]
+__all__ = ["CheckpointOptionError", "OutOfMemory", "RandomBranchWarning", "RecomputeError", "RematError"]
 
 
 class RematError(Exception):
@@ -49,3 +49,8 @@ class OutOfMemory(RematError, torch.OutOfMemoryError):
     ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class), so code that
     catches out-of-memory to try a smaller batch keeps working.
     """
+
+
+class RandomBranchWarning(UserWarning):
+    """A profiled forward branches on random draws, so a later step may take another path (``remat.profile``;
+    NOTE [Branches on random draws] in remat.profiling._random_branches)."""

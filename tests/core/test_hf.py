@@ -70,3 +70,97 @@ def test_t5_cache_off_on_every_config_and_restored_and_all_recomputed_matches_pl
     assert_grads_equal(reference, model)
     remat.remove(model)
     assert _use_cache(model) == before
+
+
+# --- NOTE [LayerDrop while planning] -----------------------------------------------------------------------------
+
+
+class _Config:
+    """A config as transformers' are: plain attributes, ``to_dict``, configs nested in it."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def to_dict(self):
+        return dict(vars(self))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+        self.layerdrop = 0.2
+        self.use_layerdrop = True  # a flag, not a probability
+        self.config = _Config(encoder_layerdrop=0.1, decoder_layerdrop=0.0, text_config=_Config(layerdrop=0.3))
+
+
+def test_every_layer_runs_sets_each_layerdrop_probability_to_zero_and_puts_it_back():
+    from remat.core._hf import every_layer_runs
+
+    stack = _Stack()
+    with every_layer_runs(stack):
+        assert stack.layerdrop == 0.0
+        assert stack.config.encoder_layerdrop == 0.0
+        assert stack.config.text_config.layerdrop == 0.0
+        assert stack.use_layerdrop is True
+    assert (stack.layerdrop, stack.config.encoder_layerdrop, stack.config.text_config.layerdrop) == (0.2, 0.1, 0.3)
+    assert stack.config.decoder_layerdrop == 0.0
+
+
+def test_every_layer_runs_puts_the_probabilities_back_when_the_step_fails():
+    from remat.core._hf import every_layer_runs
+
+    stack = _Stack()
+    with pytest.raises(KeyboardInterrupt), every_layer_runs(stack):
+        raise KeyboardInterrupt
+    assert (stack.layerdrop, stack.config.encoder_layerdrop) == (0.2, 0.1)
+
+
+def _bart_with_layerdrop():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.BartConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        encoder_layerdrop=0.3,
+        decoder_layerdrop=0.3,
+        dropout=0.1,
+    )
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    return tf.BartForConditionalGeneration(config).train(), dict(
+        input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids
+    )
+
+
+def test_bart_with_layerdrop_plans_for_every_layer_and_each_later_draw_stays_within_the_budget():
+    # Before: auto profiled one draw (some layers skipped) and later steps peaked at 1.25-1.64x the budget.
+    import copy
+
+    from conftest import assert_grads_equal
+
+    import remat
+
+    model, batch = _bart_with_layerdrop()
+    reference = copy.deepcopy(model)
+    plan = remat.auto(model, batch, budget=0.8)
+    assert model.model.encoder.layerdrop == 0.3 and model.config.encoder_layerdrop == 0.3
+    layers_run = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        peak = remat.measure(model, batch, warmup=0, repeat=1).peak_bytes
+        assert peak <= plan.budget_bytes, (seed, peak, plan.budget_bytes)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            m(**batch).loss.backward()
+        assert_grads_equal(reference, model)
+        layers_run.add(frozenset(n for n, p in model.named_parameters() if p.grad is not None))
+    assert len(layers_run) > 1  # the draws did skip different layers
+    remat.remove(model)

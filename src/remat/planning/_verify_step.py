@@ -12,6 +12,7 @@ from torch import nn
 
 from remat.core._costs import spent
 from remat.core._fingerprint import Fingerprint, fingerprint
+from remat.core._hf import every_layer_runs
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
 from remat.core._memtrack import empty_device_cache
 from remat.core._state import capture, restoring
@@ -87,6 +88,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str 
     optimizer_state = OptimizerSnapshot(loop.optimizer, "remat.auto")
     with (
         restoring("remat.auto", state.restore, optimizer_state.restore),
+        every_layer_runs(model),  # NOTE [LayerDrop while planning]
         model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed),
     ):
         if plan.training is not None:

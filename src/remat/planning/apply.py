@@ -23,7 +23,7 @@ from remat.core._loop import Loop, make_loop
 from remat.core._policies import POLICIES
 from remat.core._user_errors import require_module
 from remat.core.measure import device_of
-from remat.errors import RematError
+from remat.errors import RandomBranchWarning, RematError
 from remat.planning._budget import ACCEPTED_BUDGETS
 from remat.planning._candidates import Findings, Unreachable
 from remat.planning._gpu_room import Room, over_the_room_note, room_on
@@ -232,15 +232,27 @@ def _profile(
     in remat.planning._within); compiled verification measures the compiled step without checkpointing first,
     and is left as it was. ``finer``: a fake profile traces ``full-fine`` too, when auto may go finer (NOTE
     [Finer only when needed])."""
-    if not fit:
-        return make_profile(model, inputs, loss_fn, **options)
-    if not (finer and _may_go_finer(model, None, None, options)):
-        return profile_within(model, inputs, loss_fn, budget, api="remat.auto", options=options).profile
-    # NOTE [A policy traced only when wanted] in remat.profiling._schedule
-    with traced_only_if(FINE, lambda coarse: _needs_finer(coarse, budget)):
-        return profile_within(
-            model, inputs, loss_fn, budget, api="remat.auto", options=options, fake_options={"policies": FINEST}
-        ).profile
+    with warnings.catch_warnings():  # auto refuses such a profile itself
+        warnings.simplefilter("ignore", RandomBranchWarning)
+        if not fit:
+            prof = make_profile(model, inputs, loss_fn, **options)
+        elif not (finer and _may_go_finer(model, None, None, options)):
+            prof = profile_within(model, inputs, loss_fn, budget, api="remat.auto", options=options).profile
+        else:  # NOTE [A policy traced only when wanted] in remat.profiling._schedule
+            with traced_only_if(FINE, lambda coarse: _needs_finer(coarse, budget)):
+                prof = profile_within(
+                    model, inputs, loss_fn, budget, api="remat.auto", options=options, fake_options={"policies": FINEST}
+                ).profile
+    if prof.random_branches:
+        raise RematError(
+            f"remat.auto: the forward of {type(model).__name__} branches on random draws at "
+            f"{', '.join(prof.random_branches)}, so a later step may take another path than the one profiled and "
+            "verified, and keep more than the budget; no plan was applied. remat turns LayerDrop off while planning "
+            "where its probability is an attribute named `layerdrop`. Make this draw fixed while remat.auto runs "
+            "and restore it afterwards: for a layer skipped at random, its probability 0 (every layer runs, the most "
+            "a step keeps), and the plan holds whichever layers a later step skips."
+        )
+    return prof
 
 
 #: The policies auto's fake profile may trace: the default ones, and ``full-fine`` last when wanted.

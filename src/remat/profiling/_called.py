@@ -27,15 +27,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._state import capture, restoring
 from remat.core._step import call_model
 from remat.core._typing import Inputs
 from remat.profiling._blocks import is_leaf
 from remat.profiling._fake import FakeWeights, fake_like
+from remat.profiling._random_branches import RandomBranches, branches
 from remat.profiling._shadow import ValueShadows
 
-__all__ = ["called_more_than_once"]
+__all__ = ["called_more_than_once", "random_branches"]
 
 
 def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | None, real: bool = False) -> list[str]:
@@ -93,7 +95,40 @@ def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
         call_model(model, fake_inputs)
 
 
-def _real_forward(model: nn.Module, inputs: Inputs) -> None:
+def _real_forward(model: nn.Module, inputs: Inputs, *modes: Any) -> None:
     state = capture(model, "remat.profile", parameters=False)  # buffers (BatchNorm statistics), modes, RNG
-    with restoring("remat.profile", state.restore), cache_disabled(model), torch.no_grad():
+    with restoring("remat.profile", state.restore), cache_disabled(model), torch.no_grad(), contextlib.ExitStack() as s:
+        for mode in modes:
+            s.enter_context(mode)
         call_model(model, inputs)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP2 modules: a forward without gradients leaves the root's parameters unsharded
+    (its backward would reshard them), and resharding by hand leaves the next backward mixing DTensors."""
+    return any(hasattr(m, "unshard") and hasattr(m, "reshard") for m in model.modules())
+
+
+def random_branches(model: nn.Module, inputs: Inputs, *, training: bool | None) -> tuple[str, ...]:
+    """Where ``model``'s forward branches on a random draw (NOTE [Branches on random draws]): a real forward without
+    gradients, draws forced low, and where it read a draw a second one, forced high; the model's state and RNG put
+    back after each; () also when the forward fails (the profile's step says why), and for FSDP2 models, which it
+    would leave unsharded."""
+    if _sharded(model):
+        return ()
+    modes = {m: m.training for m in model.modules()}
+    runs = RandomBranches("low"), RandomBranches("high")
+    try:
+        if training is not None:
+            model.train(training)
+        with spent("random-branch forwards"):
+            for run in runs:
+                _real_forward(model, inputs, run)
+                if not (run.reads or run.unforced):  # no draw read at all: nothing a second run could show
+                    break
+    except Exception:
+        return ()
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return branches(*runs)

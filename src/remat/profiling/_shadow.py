@@ -33,7 +33,9 @@ from torch.utils._pytree import tree_map
 from remat.core._memtrack import op_tensors
 from remat.core._rng import draws_random
 from remat.core._writes import written_tensors
+from remat.errors import RematError
 from remat.profiling._kernel_layouts import SUGGESTED_FORMAT, _input_of, laid_out
+from remat.profiling._random_branches import Draws, where_in_the_model
 
 aten = torch.ops.aten
 _ANSWERED = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
@@ -47,6 +49,20 @@ _UNINITIALIZED = {
 
 
 _INERT: dict[Any, bool] = {}
+
+
+class RandomBranch(RematError):
+    """A fake forward read a random draw into Python, which no shadow answers (NOTE [Branches on random draws])."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"remat.profile(fake=True): the forward branches on a random draw at {where} (as LayerDrop does, "
+            "`if torch.rand([]) < p`); a fake step cannot take that branch (a draw has no value), and a plan of one "
+            "draw's path would not hold for a step that takes another. remat turns LayerDrop off while planning where "
+            "its probability is an attribute named `layerdrop`; make this draw fixed while planning (its probability "
+            "0, the path that runs every layer), or profile on real tensors."
+        )
+        self.where = where
 
 
 def _inert(func: Any) -> bool:
@@ -74,6 +90,7 @@ class ValueShadows(TorchDispatchMode):
         self.limit = limit
         self.layouts = layouts
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.draws = Draws()
 
     def seed(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Give ``fake`` the values of ``real`` (a real tensor of the same shape)."""
@@ -119,7 +136,10 @@ class ValueShadows(TorchDispatchMode):
         if func in _ANSWERED and ok:
             with _disable_current_modes():
                 return func(*real_args, **real_kwargs)
+        if self.draws.reads_a_draw(func, args, kwargs):
+            raise RandomBranch(where_in_the_model())
         out = func(*args, **kwargs)
+        self.draws.note(func, args, kwargs, out)
         outs = op_tensors(out)
         device = kwargs.get("device")
         shadow = (

@@ -133,6 +133,9 @@ class Profile:
     new_arguments: tuple[str, ...] = ()
     """Blocks called with other arguments than tensors (their number, keywords, values) than the block before them:
     no nested segment holds both (NOTE [Arguments a segment hands on] in remat.planning._nested)."""
+    random_branches: tuple[str, ...] = ()
+    """Where the forward reads a random draw into Python (``file.py:line (function)``): a later step may take
+    another path than the profiled one (NOTE [Branches on random draws] in remat.profiling._random_branches)."""
     parameters: int | None = None
     """Parameter elements of the profiled model: the plan's fingerprint of it (None in older profiles)."""
     optimizer: str | None = None
@@ -257,6 +260,7 @@ class Profile:
         data["recomputes"] = [Recompute.from_json(r) for r in data.get("recomputes", [])]
         data["unchained"] = tuple(data.get("unchained", ()))
         data["new_arguments"] = tuple(data.get("new_arguments", ()))
+        data["random_branches"] = tuple(data.get("random_branches", ()))
         return cls(**data)
 
 

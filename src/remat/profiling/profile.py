@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from typing import Any
 
 from remat.core._costs import costs, spent
+from remat.core._hf import every_layer_runs
 from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
 from remat.core._policy_registry import FULL, KEEP, POLICIES
 from remat.core._state import restoring
 from remat.core._user_errors import check_devices, model_errors, require_module
-from remat.errors import OutOfMemory, RematError
+from remat.errors import OutOfMemory, RandomBranchWarning, RematError
 from remat.profiling._types import Profile
 
 __all__ = ["profile"]
@@ -73,7 +75,7 @@ def profile(
             ``set_to_none=False``): from 2 on, every gradient is alive through
             the step.
     """
-    from remat.profiling._blocks import find_blocks, suggest_blocks
+    from remat.profiling._blocks import find_blocks
 
     require_module(model, "remat.profile")
     if not fake:  # a fake profile takes a meta model with CPU inputs
@@ -91,8 +93,20 @@ def profile(
         optimizer=optimizer,
         accumulation_steps=accumulation_steps,
     )
+    with every_layer_runs(model):  # NOTE [LayerDrop while planning]
+        return _with_random_branches(
+            _profile_units(model, inputs, loss_fn, blocks, names, options), model, inputs, options
+        )
+
+
+def _profile_units(
+    model: Any, inputs: Any, loss_fn: Any, blocks: str | list[str] | None, names: list[str], options: dict
+) -> Profile:
+    """The profile of ``names``, of units from the execution or of the traced forward's segments."""
+    from remat.profiling._blocks import suggest_blocks
+
     if blocks in (None, "auto", "coarse", "fine"):  # NOTE [Units from the execution]
-        names = _units_from_the_execution(model, inputs, names, training, real=not fake)
+        names = _units_from_the_execution(model, inputs, names, options["training"], real=not options["fake"])
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
         return _traced_profile(model, inputs, loss_fn, options, suggest_blocks(model))
     prof = _module_profile(model, inputs, loss_fn, names, **options)
@@ -104,6 +118,26 @@ def profile(
     except RematError:  # not traceable: the module units stand
         return prof
     return cut if freeable_bytes(cut) > freeable_bytes(prof) else prof
+
+
+def _with_random_branches(prof: Profile, model: Any, inputs: Any, options: dict) -> Profile:
+    """``prof`` with where a real forward branches on random draws (NOTE [Branches on random draws]); a fake
+    profile cannot take such a branch and has already said so."""
+    from remat.profiling._called import random_branches
+
+    if options["fake"]:
+        return prof
+    prof.random_branches = random_branches(model, inputs, training=options["training"])
+    if prof.random_branches:
+        note = (
+            f"the forward branches on random draws at {', '.join(prof.random_branches)}: this profile is of one "
+            "draw's path, and a step that takes another may keep more than a plan of it predicts. Make the draw "
+            "fixed while profiling (its probability 0, the path that runs every layer; remat does so itself for "
+            "LayerDrop probabilities named `layerdrop`)."
+        )
+        prof.notes.append(note)
+        warnings.warn(f"remat.profile: {note}", RandomBranchWarning, stacklevel=3)
+    return prof
 
 
 def _units_from_the_execution(

@@ -1,0 +1,142 @@
+"""Branches on random draws (NOTE [Branches on random draws]): found by two forced runs, told by profile and auto."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.errors import RandomBranchWarning
+from remat.profiling._called import random_branches
+from remat.profiling._types import Profile
+
+
+class _Skipping(nn.Module):
+    """A stack whose forward decides per layer, with ``test(draw)``, whether to skip it."""
+
+    def __init__(self, test, n=4, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)) for _ in range(n)
+        )
+        self.test = test
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.test(x):
+                continue
+            x = x + layer(x)
+        return x.sum()
+
+
+_BRANCHING = {
+    "rand below p": lambda x: torch.rand([]) < 0.3,
+    "uniform_ of empty": lambda x: torch.empty(1).uniform_() > 0.7,
+    "item of a draw": lambda x: torch.rand(1).item() < 0.5,
+    "randn": lambda x: torch.randn([]) > 3.0,
+    "bernoulli of probabilities": lambda x: bool(torch.bernoulli(torch.full((), 0.3))),
+    "rand_like of data": lambda x: bool((torch.rand_like(x[0, 0]) < 0.3).all()),
+}
+_NOT_BRANCHING = {
+    "rand below 0": lambda x: torch.rand([]) < 0.0,
+    "uniform above 0": lambda x: bool(torch.empty(1).uniform_() > 0.0),  # fairseq's layerdrop with probability 0
+    "bernoulli of 0": lambda x: bool(torch.bernoulli(torch.zeros(()), 0.0).bool()),
+    "dropout of data": lambda x: bool(torch.nn.functional.dropout(x, 0.5).sum() > 1e9),
+    "data": lambda x: bool(x.sum() > 1e9),
+}
+
+
+def _model(test):
+    torch.manual_seed(0)
+    return _Skipping(test).train(), torch.randn(8, 16)
+
+
+@pytest.mark.parametrize("name", _BRANCHING)
+def test_a_branch_on_a_random_draw_is_found_where_it_is(name):
+    model, x = _model(_BRANCHING[name])
+    found = random_branches(model, x, training=True)
+    assert len(found) == 1 and found[0].startswith("test_random_branches.py:")
+
+
+@pytest.mark.parametrize("name", _NOT_BRANCHING)
+def test_a_draw_that_decides_nothing_is_no_branch(name):
+    model, x = _model(_NOT_BRANCHING[name])
+    assert random_branches(model, x, training=True) == ()
+
+
+def test_the_runs_leave_the_model_its_rng_and_its_mode_as_they_were():
+    model, x = _model(_BRANCHING["rand below p"])
+    model.eval()
+    bn = nn.BatchNorm1d(16)
+    model.layers[0].insert(0, bn)
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    random_branches(model, x, training=True)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not model.training
+
+
+def test_profile_records_the_branch_and_warns():
+    model, x = _model(_BRANCHING["rand below p"])
+    with pytest.warns(RandomBranchWarning, match="test_random_branches.py"):
+        prof = remat.profile(model, x, warmup=0, repeat=1)
+    assert prof.random_branches and any("random draws" in n for n in prof.notes)
+    assert Profile.from_json(prof.to_json()).random_branches == prof.random_branches
+
+
+def test_a_profile_without_random_branches_says_nothing():
+    model, x = _model(_NOT_BRANCHING["rand below 0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RandomBranchWarning)
+        prof = remat.profile(model, x, warmup=0, repeat=1)
+    assert prof.random_branches == ()
+
+
+def test_auto_refuses_a_model_that_branches_on_a_draw_and_leaves_it_as_it_was():
+    model, x = _model(_BRANCHING["rand below p"])
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        remat.RematError, match=r"branches on random draws at test_random_branches.py:\d+ .*its probability 0"
+    ):
+        remat.auto(model, x, budget=0.9)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(type(m).__name__.startswith("Checkpoint") for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_fake_profile_says_where_the_forward_branches_on_a_draw():
+    model, x = _model(_BRANCHING["rand below p"])
+    with pytest.raises(remat.RematError, match=r"fake=True.*random draw at test_random_branches.py:\d+"):
+        remat.profile(model, x, fake=True)
+
+
+class _LayerDrop(_Skipping):
+    """LayerDrop as transformers writes it, its probability an attribute named ``layerdrop``."""
+
+    def __init__(self):
+        super().__init__(lambda x: self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop, n=6)
+        self.layerdrop = 0.3
+
+
+def test_auto_plans_a_layerdrop_model_for_every_layer_and_later_draws_stay_within_the_budget():
+    from conftest import assert_grads_equal
+
+    torch.manual_seed(0)
+    model, x = _LayerDrop().train(), torch.randn(64, 16)
+    reference = copy.deepcopy(model)
+    plan = remat.auto(model, x, budget=0.8)
+    assert model.layerdrop == 0.3
+    skipped = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        assert remat.measure(model, x, warmup=0, repeat=1).peak_bytes <= plan.budget_bytes
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            m(x).backward()
+        assert_grads_equal(reference, model)
+        skipped.add(sum(p.grad is None for p in model.parameters()))
+    assert len(skipped) > 1
+    remat.remove(model)
