@@ -1,6 +1,7 @@
 """remat.doctor: each seed reproduced as its user wrote it, each finding with the right modules named,
 correct checkpointing reported ok, and the model (and torch) exactly as before afterwards."""
 
+import dataclasses
 import functools
 import json
 import sys
@@ -625,3 +626,31 @@ def test_a_users_recording_hook_on_the_same_model_is_still_found():
     gate.register_forward_hook(lambda module, args, out: seen.append(out))
     found = only(remat.doctor(model, inputs, measure_cost=False), "side-effects-repeated")
     assert name in found.modules and "seen is list of length 2" in found.message
+
+
+def test_a_checkpoint_remats_plan_needs_for_its_budget_pays_however_little_it_saves():
+    # 40 alike blocks, each freeing about 2% of the step's peak: auto's plan at 0.9 checkpoints the fewest that fit,
+    # so the step without any one of them is over the budget. Before, the doctor told to remove each of them.
+    torch.manual_seed(0)
+    model, x = _mlp(depth=40), torch.randn(128, 32)
+    plan = remat.auto(model, x, budget=0.9, policies=("full",))  # the doctor weighs each checkpointed call
+    assert plan.checkpointed and set(plan.checkpointed.values()) == {"full"}
+    report = diagnose(model, x, measure_cost=True, warmup=0, repeat=1, min_saving=0.05)
+    assert "checkpoint-does-not-pay" not in report.codes(), report.codes()
+    # The same checkpoints without a plan's budget to weigh them against: each frees under 5% of the peak.
+    remat.remove(model)
+    for name in plan.checkpointed:
+        remat.wrap(model.get_submodule(name))
+    unplanned = diagnose(model, x, measure_cost=True, warmup=0, repeat=1, min_saving=0.05)
+    assert unplanned.codes().count("checkpoint-does-not-pay") == len(plan.checkpointed)
+
+
+def test_a_checkpoint_the_budget_does_not_need_is_still_told():
+    torch.manual_seed(0)
+    model, x = _mlp(depth=40), torch.randn(128, 32)
+    plan = remat.plan(remat.profile(model, x, warmup=0, repeat=1, policies=("full",)), budget=0.9)
+    remat.apply(model, dataclasses.replace(plan, budget_bytes=10**9))  # a budget the step fits without them
+    found = [f for f in diagnose(model, x, measure_cost=True, warmup=0, repeat=1, min_saving=0.05).findings]
+    told = [f for f in found if f.code == "checkpoint-does-not-pay"]
+    assert told and all("still within" in f.message for f in told)
+    remat.remove(model)

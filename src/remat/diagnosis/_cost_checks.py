@@ -25,7 +25,11 @@ def _leaves(call: CheckpointCall, leaves: set[str]) -> int:
     return len({m for m in call.modules | set(call.module_names) if m in leaves})
 
 
-def check_cost(ck: StepRecord, costs: Costs, leaves: set[str], min_saving: float) -> list[Finding]:
+def check_cost(
+    ck: StepRecord, costs: Costs, leaves: set[str], min_saving: float, budget: int | None = None
+) -> list[Finding]:
+    """``budget``: of the plan remat put on the model; a checkpoint without which the step is over it pays, however
+    little it saves (the plan needs it)."""
     if costs.checkpointed is None:
         return []
     base = max(costs.reference.step_peak_bytes, 1)
@@ -36,7 +40,7 @@ def check_cost(ck: StepRecord, costs: Costs, leaves: set[str], min_saving: float
         if without is None:
             continue
         saving = without.peak_bytes - with_.peak_bytes
-        if saving >= min_saving * base:
+        if saving >= min_saving * base or (budget is not None and without.peak_bytes > budget):
             continue
         if _leaves(call, leaves) <= 1:
             kept = " (here raw data, kept in memory anyway)" if not call.inputs_require_grad else ""
@@ -46,6 +50,8 @@ def check_cost(ck: StepRecord, costs: Costs, leaves: set[str], min_saving: float
                 "The step's peak is set elsewhere (in another block's backward or the loss), so what this region "
                 "frees does not lower it."
             )
+        if budget is not None:
+            why += f" Without it the step is still within the {human_bytes(budget)} budget of remat's plan."
         t_with, t_without = fastest(with_), fastest(without)
         message = (
             f"{where_called([call])} lowers the step's peak memory by {human_bytes(saving)} "

@@ -39,6 +39,7 @@ from remat.diagnosis._findings import ERROR, Costs, Finding, StepRecord
 from remat.diagnosis._intercept import Interceptor, always, never, observing, session
 from remat.diagnosis._python_state import PythonState
 from remat.errors import RematError
+from remat.planning._put import applied_budget
 
 __all__ = ["doctor", "DoctorReport", "Finding", "CheckpointSite"]
 
@@ -256,7 +257,9 @@ def doctor(
             the floating-point outputs.
         rtol, atol: a gradient is wrong when ``max|g - g_ref| > atol + rtol * max|g_ref|``.
         min_saving: a region "does not pay" when turning it off raises the peak by less
-            than this fraction of the step's own peak without checkpointing.
+            than this fraction of the step's own peak without checkpointing, and, on a
+            model ``remat.apply`` or ``remat.auto`` planned, keeps the step within the
+            plan's budget (one the plan needs pays, however little it saves).
         measure_cost: also measure peak and time (needed for ``checkpoint-does-not-pay``
             and ``illusory-speedup``); False runs only the two observed steps.
         warmup, repeat: untimed steps before each configuration's peak measurement, and
@@ -284,7 +287,8 @@ def doctor(
                 f"remat.doctor: the model raised {type(exc).__name__} in {stage}: {exc}. The model was restored; "
                 "fix the error (run one step yourself to see the full traceback), then run the doctor again."
             ) from exc
-    return _report(ref, ck, costs, state, python, _leaf_names(model), rtol, atol, min_saving)
+    budget = applied_budget(model)
+    return _report(ref, ck, costs, state, python, _leaf_names(model), rtol, atol, min_saving, budget)
 
 
 def _eagerly() -> Any:
@@ -307,6 +311,7 @@ def _report(
     rtol: float,
     atol: float,
     min_saving: float,
+    budget: int | None,
 ) -> DoctorReport:
     frozen = checks.frozen(ref, ck)
     findings = [
@@ -317,7 +322,7 @@ def _report(
         *checks.check_rng_stream(ref, ck),
         *checks.check_buffers(ref, ck, state.buffers),
         *checks.check_side_effects(ref, ck, python.hooks),
-        *(cost_checks.check_cost(ck, costs, leaves, min_saving) if costs is not None else ()),
+        *(cost_checks.check_cost(ck, costs, leaves, min_saving, budget) if costs is not None else ()),
         *cost_checks.check_risky(ck),
         *cost_checks.check_speedup(costs, ref, frozen),
     ]

@@ -15,7 +15,7 @@ from remat.planning._plan_checks import check_plan_fits
 from remat.planning.plan import Plan
 from remat.profiling._traced import install_from_names, is_traced_plan, uninstall
 
-__all__ = ["put", "remove"]
+__all__ = ["applied_budget", "put", "remove"]
 
 
 def put(model: nn.Module, plan: Plan) -> None:
@@ -53,10 +53,25 @@ def _put(model: nn.Module, plan: Plan) -> None:
         raise
     if plan.checkpointed:
         disable_cache(model)
+    if plan.budget_bytes is not None:
+        eager_module(model).__dict__[_BUDGET] = plan.budget_bytes
+    else:
+        eager_module(model).__dict__.pop(_BUDGET, None)
+
+
+#: Where a model keeps the budget of the plan put on it (``applied_budget``).
+_BUDGET = "_remat_plan_budget"
+
+
+def applied_budget(model: nn.Module) -> int | None:
+    """The budget, in bytes, of the plan ``remat.apply`` or ``remat.auto`` put on ``model``; None: none put, or a
+    plan without a budget. The doctor weighs the plan's checkpoints against it."""
+    return eager_module(model).__dict__.get(_BUDGET)
 
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo every remat checkpointing on ``model`` (``apply``, ``auto`` or ``wrap``). Returns ``model``."""
+    eager_module(model).__dict__.pop(_BUDGET, None)
     for module in eager_module(model).modules():
         unschedule(module)
         unwrap(module)
