@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -21,8 +22,21 @@ from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._segment import Segment
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
-Ledger = tuple[dict[tuple, dict], dict[tuple, dict], dict[tuple, list], dict[str, set], dict[str, tuple]]
-"""What a traced step saw across blocks: crossing storages, block recomputations (by identity)."""
+
+@dataclass(frozen=True)
+class Ledger:
+    """What one traced step saw across blocks (its ``CrossingLedger`` and recorder, as they ended)."""
+
+    crossings: dict[tuple, dict]
+    """Storages blocks received from outside them, by identity (NOTE [Storages across blocks])."""
+    recomputes: dict[tuple, dict]
+    """Where each block's recomputation ran, and what it added to live bytes."""
+    trajectories: dict[tuple, list]
+    """Per recomputation, live bytes after each allocation it made."""
+    output_reads: dict[str, set]
+    """Per block, the blocks (or None: the parent) whose forward read its output."""
+    call_forms: dict[str, tuple]
+    """Per block, how it was called: argument count, keywords, non-tensor values by identity."""
 
 
 def assemble(
@@ -96,10 +110,10 @@ def assemble(
         fwd_order=[s.key for s in keep if s.phase == "fwd"],
         bwd_order=[s.key for s in keep if s.phase == "bwd"],
         segments=segments,
-        crossings=_crossings({p: ledger[0] for p, ledger in (crossings or {}).items()}),
+        crossings=_crossings({p: ledger.crossings for p, ledger in (crossings or {}).items()}),
         recomputes=_recomputes(
-            {p: ledger[1] for p, ledger in (crossings or {}).items()},
-            {p: ledger[2] for p, ledger in (crossings or {}).items() if len(ledger) > 2},
+            {p: ledger.recomputes for p, ledger in (crossings or {}).items()},
+            {p: ledger.trajectories for p, ledger in (crossings or {}).items()},
         ),
         unchained=_unchained((crossings or {}).get(KEEP), forward_blocks),
         new_arguments=_new_arguments((crossings or {}).get(KEEP), forward_blocks),
@@ -115,9 +129,9 @@ def assemble(
 def _unchained(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
     """Blocks whose output some forward op reads outside the next block (NOTE [What the parent does with a
     block's output] in remat.planning._nested), from the run without checkpointing."""
-    if ledger is None or len(ledger) < 4:
+    if ledger is None:
         return ()
-    reads = ledger[3]
+    reads = ledger.output_reads
     following = dict(zip(fwd_blocks, fwd_blocks[1:]))
     return tuple(b for b in dict.fromkeys(fwd_blocks) if reads.get(b, set()) - {following.get(b)})
 
@@ -125,9 +139,9 @@ def _unchained(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
 def _new_arguments(ledger: Ledger | None, fwd_blocks: list[str]) -> tuple[str, ...]:
     """Blocks whose arguments other than tensors differ from those of the block called before them (NOTE [Arguments a
     segment hands on] in remat.planning._nested), from the run without checkpointing."""
-    if ledger is None or len(ledger) < 5:
+    if ledger is None:
         return ()
-    forms = ledger[4]
+    forms = ledger.call_forms
     order = list(dict.fromkeys(b for b in fwd_blocks if b in forms))
     return tuple(b for a, b in zip(order, order[1:]) if forms[a] != forms[b])
 

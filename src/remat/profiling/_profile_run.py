@@ -121,7 +121,7 @@ def traced_step(
         recorder.segments,
         recorder.io_bytes,
         resting,
-        (
+        Ledger(
             recorder.ledger.crossings,
             recorder.recomputes,
             recorder.trajectories,
