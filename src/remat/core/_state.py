@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -64,6 +66,9 @@ class ModelState:
     training: dict[str, bool]
     cpu_rng: torch.Tensor
     cuda_rng: list[torch.Tensor] | None
+    host_rng: tuple[Any, Any] = (None, None)
+    """Python's ``random`` state and NumPy's global one (None: NumPy not imported): models draw from them too
+    (Wav2Vec2's SpecAugment masks), so a step remat runs must start from them and leave them as they were."""
     api: str = field(default="remat", compare=False)
     """The API that took the snapshot (for errors)."""
 
@@ -91,6 +96,7 @@ class ModelState:
         cuda_rng = self.cuda_rng
         if cuda_rng is not None:
             _attempt(failures, "the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(cuda_rng))
+        _attempt(failures, "Python's and NumPy's RNG states", functools.partial(set_host_rng, self.host_rng))
         failures += self._gone()
         if failures:
             raise RematError(
@@ -145,7 +151,22 @@ def capture(model: nn.Module, api: str = "remat", *, parameters: bool = True) ->
         buffers = {name: _copy(b) for name, b in model.named_buffers(remove_duplicate=False)}
         training = {name: m.training for name, m in model.named_modules(remove_duplicate=False)}
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return ModelState(model, params, buffers, training, torch.get_rng_state(), cuda_rng, api)
+    return ModelState(model, params, buffers, training, torch.get_rng_state(), cuda_rng, host_rng(), api)
+
+
+def host_rng() -> tuple[Any, Any]:
+    """Python's ``random`` state and NumPy's global RNG state (None where NumPy is not imported)."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def set_host_rng(state: tuple[Any, Any]) -> None:
+    python, numpy_state = state
+    if python is not None:
+        random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
 
 
 @contextlib.contextmanager

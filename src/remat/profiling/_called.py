@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 
 from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
-from remat.core._state import capture, restoring
+from remat.core._state import capture, host_rng, restoring, set_host_rng
 from remat.core._step import call_model
 from remat.core._typing import Inputs
 from remat.profiling._blocks import is_leaf
@@ -85,7 +85,9 @@ def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
         return fake
 
     fake_inputs = tree_map(fake_input, inputs)
+    host = host_rng()  # torch's generators do not move under fake tensors; Python's and NumPy's do
     with contextlib.ExitStack() as stack:
+        stack.callback(set_host_rng, host)
         stack.enter_context(FakeWeights(model, mode, None))
         stack.enter_context(cache_disabled(model))
         stack.enter_context(fake_tensors_untraced())

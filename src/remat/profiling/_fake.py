@@ -39,7 +39,7 @@ from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._loop import NO_LOOP, Loop, optimizer_state
 from remat.core._memtrack import BlockBytes, storage_bytes
-from remat.core._state import restoring, uninterrupted
+from remat.core._state import host_rng, restoring, set_host_rng, uninterrupted
 from remat.core._step import InputGrads
 from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
@@ -232,12 +232,13 @@ def run_fake_profile(
 ) -> Profile:
     """Profile on fake tensors with times from ``target`` (see ``remat.profile``)."""
     training = {n: m.training for n, m in model.named_modules()}
-    rng = torch.get_rng_state()
+    rng, host = torch.get_rng_state(), host_rng()
 
     def restore() -> None:
         for name, module in model.named_modules():
             module.training = training[name]
         torch.set_rng_state(rng)
+        set_host_rng(host)
 
     grads = InputGrads(inputs)  # a loss_fn that reads a real input reaches it even here
     notes: list[str] = []
