@@ -91,6 +91,7 @@ class _Stack(torch.nn.Module):
         self.layer = torch.nn.Linear(2, 2)
         self.layerdrop = 0.2
         self.use_layerdrop = True  # a flag, not a probability
+        self.layerdrop_every = 2  # a count, not a probability
         self.config = _Config(encoder_layerdrop=0.1, decoder_layerdrop=0.0, text_config=_Config(layerdrop=0.3))
 
 
@@ -102,7 +103,7 @@ def test_every_layer_runs_sets_each_layerdrop_probability_to_zero_and_puts_it_ba
         assert stack.layerdrop == 0.0
         assert stack.config.encoder_layerdrop == 0.0
         assert stack.config.text_config.layerdrop == 0.0
-        assert stack.use_layerdrop is True
+        assert stack.use_layerdrop is True and stack.layerdrop_every == 2
     assert (stack.layerdrop, stack.config.encoder_layerdrop, stack.config.text_config.layerdrop) == (0.2, 0.1, 0.3)
     assert stack.config.decoder_layerdrop == 0.0
 

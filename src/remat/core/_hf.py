@@ -14,7 +14,7 @@ that runs more of them keeps more: 1.25-1.64x the budget on BART, without a word
 fake profile cannot take the branch at all (a random value has no shadow). Skipping a
 layer only ever keeps less, so remat profiles and verifies the step in which every layer
 runs: while it does, each LayerDrop probability it finds (a module's or a config's
-attribute whose name holds ``layerdrop``, a float above 0; every transformers model names
+attribute whose name holds ``layerdrop``, a float in (0, 1]; every transformers model names
 it so) is 0, and it is put back afterwards. A plan of that step holds whichever layers a
 later step skips. Branches on random draws it cannot turn off are found as the step runs
 (NOTE [Branches on random draws] in ``remat.profiling._random_branches``).
@@ -77,7 +77,7 @@ def _layerdrop_settings(model: nn.Module) -> list[tuple[object, str]]:
     found = []
     for owner in owners.values():
         for name, value in list(vars(owner).items()):
-            if "layerdrop" in name.lower() and type(value) in (float, int) and value > 0:
+            if "layerdrop" in name.lower() and type(value) is float and 0 < value <= 1:  # a probability
                 found.append((owner, name))
     return found
 
