@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import twin
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -400,3 +401,81 @@ def test_generators_in_use_and_random_tags() -> None:
 def test_policy_list_of_non_ops_is_refused() -> None:
     with pytest.raises(remat.RematError, match="aten op overloads"):
         remat.checkpoint(nn.Linear(2, 2), torch.ones(1, 2), policy=[aten.mm])
+
+
+# --- NOTE [Host generators in recomputation] ---------------------------------------------------------------------
+
+
+class _HostDrawing(nn.Module):
+    """A block masking its hidden layer with NumPy's global generator and scaling it with Python's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        keep = torch.from_numpy(np.random.rand(64) < 0.5).to(x.dtype)
+        return x + self.b(torch.relu(self.a(x)) * keep * random.random())
+
+
+def _host_step(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], tuple]:
+    import random
+
+    import numpy as np
+
+    np.random.seed(1)
+    random.seed(1)
+    model(x).sum().backward()
+    after = (random.random(), float(np.random.rand()))
+    return [p.grad for p in model.parameters()], after
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "selective-ops"])
+def test_a_block_drawing_from_numpy_and_python_is_recomputed_with_the_same_draws(policy: str) -> None:
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(_HostDrawing() for _ in range(3)))
+    model = twin(reference)
+    for block in model:
+        remat.wrap(block, policy=policy)
+    x = torch.randn(8, 16)
+    grads, after = _host_step(model, x)
+    expected, expected_after = _host_step(reference, x)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    assert after == expected_after  # the streams after the step are the reference's
+
+
+def test_torch_checkpoint_recomputes_host_draws_with_other_numbers() -> None:
+    # The flaw remat's recomputation avoids (a contrast: if torch fixes it, this test says so).
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, block: nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(*(_HostDrawing() for _ in range(3)))
+    model = nn.Sequential(*(Checkpointed(b) for b in twin(reference)))
+    x = torch.randn(8, 16)
+    grads, _ = _host_step(model, x)
+    expected, _ = _host_step(reference, x)
+    assert not all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+def test_a_block_that_draws_nothing_from_the_host_learns_so_on_its_first_call() -> None:
+    from remat.core._host_rng import HOST_DRAWS
+
+    torch.manual_seed(0)
+    plain, drawing = nn.Linear(16, 16), _HostDrawing()
+    for block in (plain, drawing):
+        remat.wrap(block, policy="full")
+        block(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert list(HOST_DRAWS[plain].values()) == [False]
+    assert list(HOST_DRAWS[drawing].values()) == [True]

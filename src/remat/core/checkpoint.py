@@ -37,6 +37,7 @@ from torch.utils.checkpoint import (
 from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, ForwardWrites, RecomputeContext, RecomputeWritten, Stacked
+from remat.core._host_rng import HOST_DRAWS, HostDraws
 from remat.core._memo import STRUCTURES, device_markers, learned_memo, memo_key
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE
@@ -141,6 +142,7 @@ def _run_checkpointed(
             recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
     learned, remember = learned_memo(fn)
     region = Region(args, kwargs, learned, owner)
+    host = HostDraws(*learned_memo(fn, HOST_DRAWS)) if preserve_rng_state else None
     policy_fn = policy_function(policy)
     phase = {"forward": True}
 
@@ -163,12 +165,17 @@ def _run_checkpointed(
     def run(_holder: Region, *tensors: torch.Tensor) -> Any:
         if phase["forward"]:
             phase["forward"] = False
-            return fn(*region.args, **region.kwargs)
+            if host is None:
+                return fn(*region.args, **region.kwargs)
+            return host.forward(lambda: fn(*region.args, **region.kwargs))  # NOTE [Host generators in recomputation]
         if nested:
             region.restore_inputs(tensors[len(markers) :])
         rargs, rkwargs = region.recompute_inputs()
         try:
-            return fn(*rargs, **rkwargs)
+            if host is None:
+                return fn(*rargs, **rkwargs)
+            with host.recomputing():
+                return fn(*rargs, **rkwargs)
         except (_StopRecomputation, RematError, torch.OutOfMemoryError):
             # torch's early stop, our own message (a region inside this one's included), or the device full: out of
             # memory says nothing of the function, and the caller tells (or answers) it (NOTE [Out of memory is an
