@@ -3,6 +3,7 @@
 import warnings
 
 import pytest
+import torch
 from conftest import SMALL
 from torch import nn
 
@@ -108,4 +109,23 @@ def test_composable_checkpoint_and_model_level_flags_are_refused():
     model.gradient_checkpointing = True  # a container that checkpoints what it calls: every block overlaps
     with pytest.raises(remat.RematError, match="sits in or contains 'Sequential'"):
         remat.apply(model, _plan({"1": "full"}))
+    assert _nothing_wrapped(model)
+
+
+def test_timms_own_gradient_checkpointing_is_refused_with_its_switch():
+    # timm's set_grad_checkpointing(True) sets grad_checkpointing and runs the blocks through torch's checkpoint
+    # in forward: auto, seeing no wrapper, profiled a checkpointed model and advertised a floor it then refused.
+    model = _mlps()
+    model.grad_checkpointing = True
+    with pytest.raises(remat.RematError, match=r"timm gradient checkpointing.*set_grad_checkpointing\(False\)"):
+        remat.apply(model, _plan({"1": "full"}))
+    assert _nothing_wrapped(model)
+
+
+def test_a_real_timm_model_with_its_checkpointing_on_is_refused_by_auto():
+    timm = pytest.importorskip("timm", exc_type=ImportError)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32, patch_size=8)
+    model.set_grad_checkpointing(True)
+    with pytest.raises(remat.RematError, match="set_grad_checkpointing"):
+        remat.auto(model.train(), torch.randn(2, 3, 32, 32), budget=0.8)
     assert _nothing_wrapped(model)

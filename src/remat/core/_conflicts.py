@@ -2,8 +2,8 @@
 
 NOTE [Why two checkpointings must not overlap]
 A block that remat checkpoints and that the model also checkpoints itself
-(Hugging Face's ``gradient_checkpointing_enable()``, torch's ``checkpoint_wrapper``
-or composable ``checkpoint``) is checkpointed twice, nested. When either of the
+(Hugging Face's ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``,
+torch's ``checkpoint_wrapper`` or composable ``checkpoint``) is checkpointed twice, nested. When either of the
 two is reentrant (transformers 4.x's default, ``CheckpointImpl.REENTRANT``) the
 block's forward runs three times per step instead of two: recomputed twice.
 When both are non-reentrant, torch 2.13 recomputes a nested region only once,
@@ -37,6 +37,10 @@ def _how(module: nn.Module) -> str | None:
     # checkpoints through (its layers, and containers that loop over layers).
     if getattr(module, "gradient_checkpointing", False) is True:
         return "Hugging Face gradient checkpointing"
+    # timm's models set ``grad_checkpointing = True`` (``set_grad_checkpointing()``) and run their blocks
+    # through torch's checkpoint in forward (``checkpoint_seq``)
+    if getattr(module, "grad_checkpointing", False) is True:
+        return "timm gradient checkpointing"
     if "_checkpoint_wrapped_module" in module._modules:
         return "torch checkpoint_wrapper"
     if _composable_checkpoint(module):
@@ -66,12 +70,13 @@ def check_no_double_checkpointing(model: nn.Module, blocks: Iterable[str], *, ap
     other = max((o for b, o in clashes if b == block), key=len)  # the most specific: the block itself if flagged
     count = len({b for b, _ in clashes})
     where = "is" if other == block else f"sits in or contains {other or type(model).__name__!r}, which is"
-    hf = any(own[o].startswith("Hugging Face") for _, o in clashes)
-    fix = (
-        "call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in transformers 5)"
-        if hf
-        else "remove the model's own checkpoint wrappers"
-    )
+    hows = {own[o] for _, o in clashes}
+    if "Hugging Face gradient checkpointing" in hows:
+        fix = "call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in transformers 5)"
+    elif "timm gradient checkpointing" in hows:
+        fix = "call model.set_grad_checkpointing(False)"
+    else:
+        fix = "remove the model's own checkpoint wrappers"
     raise RematError(
         f"{api}: remat would checkpoint block {block!r}, which {where} already checkpointed by {own[other]} "
         f"({count} such block(s)). Checkpointed twice, a block is "
