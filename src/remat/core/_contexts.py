@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.core._region import Learned, Region, _bookkeeping, observed_recomputation
+from remat.core._region import REGION_BUFFER_MODULES, Learned, Region, _bookkeeping, observed_recomputation
 from remat.core._rng import POLICY_AFTER_OP, SAVE_DECISIONS
 from remat.core._writes import storage_key, writes_in_place, written_tensors
 
@@ -64,6 +64,8 @@ class ForwardContext:
             self._mode.__enter__()
         if self.region.owner is not None:
             self.region.watch_buffers(self.region.owner)
+            for module in self.region.owner.__dict__.get(REGION_BUFFER_MODULES, ()):
+                self.region.watch_buffers(module)
 
     def __exit__(self, exc_type, *exc) -> None:  # noqa: ANN001
         if self._mode is not None:

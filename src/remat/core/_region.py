@@ -66,6 +66,10 @@ from remat.core._writes import storage_key
 
 _local = threading.local()
 
+#: A module's ``__dict__`` entry naming other modules whose buffers its forward reads without calling them (a traced
+#: segment's inlined code: NOTE [Buffers a segment reads] in remat.profiling._traced); watched like its own.
+REGION_BUFFER_MODULES = "_remat_buffer_modules"
+
 
 def is_recomputing() -> bool:
     """True while remat is rerunning a checkpointed function in backward.

@@ -38,6 +38,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from remat.core._region import REGION_BUFFER_MODULES
 from remat.errors import RematError
 from remat.profiling import _traced_repeat
 from remat.profiling._traced_cut import (
@@ -71,11 +72,15 @@ class _Segment(nn.Module):
     """One segment: the Python fx writes for its graph, run with ``self`` this module; attributes it does not
     have come from the model (NOTE [Segments own nothing])."""
 
-    def __init__(self, model: nn.Module, code: Callable, consts: dict[str, Any]) -> None:
+    def __init__(
+        self, model: nn.Module, code: Callable, consts: dict[str, Any], buffer_owners: tuple[str, ...]
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "_remat_code", code)
         object.__setattr__(self, "_remat_owner", model)
         object.__setattr__(self, "_remat_consts", consts)
+        # NOTE [Buffers a segment reads]
+        object.__setattr__(self, REGION_BUFFER_MODULES, tuple(model.get_submodule(n) for n in buffer_owners))
 
     def forward(self, *args: Any) -> Any:
         return self.__dict__["_remat_code"](self, *args)
@@ -154,17 +159,32 @@ def _segment_graph(
     return graph
 
 
-def _segment_code(model: nn.Module, gm: fx.GraphModule, graph: fx.Graph) -> tuple[Callable, dict[str, Any]]:
-    """The Python fx writes for ``graph``, compiled, and the trace's constants it reads."""
+def _segment_code(
+    model: nn.Module, gm: fx.GraphModule, graph: fx.Graph
+) -> tuple[Callable, dict[str, Any], tuple[str, ...]]:
+    """The Python fx writes for ``graph``, compiled, the trace's constants it reads, and the modules whose buffers it
+    reads (NOTE [Buffers a segment reads])."""
     consts = {}
+    owners: dict[str, None] = {}
+    buffers = dict(model.named_buffers())
     for node in graph.nodes:  # tensors fx made from constants in the forward live on the trace, not the model
         if node.op == "get_attr" and not _has_attr(model, node.target):
             head = node.target.split(".")[0]
             consts[head] = getattr(gm, head)
+        elif node.op == "get_attr" and node.target in buffers:
+            owners[node.target.rpartition(".")[0]] = None
     code = graph.python_code(root_module="self")
     scope = dict(code.globals)
     exec(compile(code.src, "<remat traced segment>", "exec"), scope)  # noqa: S102 (fx's own code)
-    return scope["forward"], consts
+    return scope["forward"], consts, tuple(owners)
+
+
+# NOTE [Buffers a segment reads]
+# A traced segment runs its modules' code inlined: BatchNorm's ``F.batch_norm`` on ``self.bn.running_mean``, a
+# subclass's ``num_batches_tracked.add_(1)``. No module is entered, so the checkpoint's region, which watches the
+# buffers of the modules a forward enters (NOTE in remat.core._region), would see none, and a recomputation would
+# update the statistics a second time. Each segment names the modules whose buffers its code reads
+# (``REGION_BUFFER_MODULES`` in remat.core._region), and the region watches them from the start of its forward.
 
 
 def _has_attr(model: nn.Module, target: str) -> bool:

@@ -47,7 +47,7 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
         if training is not None:
             model.train(training)
         modes = {m: m.training for m in model.modules()}
-        return fx.symbolic_trace(model), modes
+        return _traced_with_buffers(model), modes
     except fx.proxy.TraceError as exc:
         raise TracedError(
             f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
@@ -62,6 +62,33 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
     finally:
         for m, mode in before.items():
             m.training = mode
+
+
+class _BufferTracer(fx.Tracer):
+    """fx's tracer with buffers as graph values: by default a buffer a forward reads through ``self`` is the real
+    tensor while tracing, so a write to it (BatchNorm's ``num_batches_tracked.add_(1)`` in a subclass fx traces
+    through, as timm's ``BatchNormAct2d``) runs once on the model at trace time and is missing from the trace."""
+
+    proxy_buffer_attributes = True
+
+
+def _traced_with_buffers(model: nn.Module) -> fx.GraphModule:
+    """``fx.symbolic_trace(model)`` with buffers traced (``_BufferTracer``); a buffer the trace still changed (a
+    write fx did not record) is put back and refused."""
+    before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    tracer = _BufferTracer()
+    try:
+        graph = tracer.trace(model)
+    finally:
+        changed = [n for n, b in model.named_buffers() if n in before and not torch.equal(b, before[n])]
+        with torch.no_grad():
+            for name in changed:
+                model.get_buffer(name).copy_(before[name])
+    if changed:
+        raise TracedError(
+            f"its forward writes buffer {changed[0]!r} in a way torch.fx does not record ({len(changed)} buffer(s))"
+        )
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -192,8 +219,9 @@ class Traced:
     nodes: list[fx.Node]
     carries: dict[int, fx.Node]
     position: dict[str, int]
-    code: dict[tuple[int, int], tuple[Callable, dict[str, Any]]] = field(default_factory=dict)
-    """(first op, last op) -> the segment's compiled forward and the trace's constants it reads."""
+    code: dict[tuple[int, int], tuple[Callable, dict[str, Any], tuple[str, ...]]] = field(default_factory=dict)
+    """(first op, last op) -> the segment's compiled forward, the trace's constants it reads, and the modules whose
+    buffers it reads."""
 
 
 def _key(model: nn.Module, training: bool | None) -> tuple:
