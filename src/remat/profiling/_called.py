@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,26 +52,35 @@ def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | 
         for m in model.modules()
         if id(m) in names
     ]
-    modes = {m: m.training for m in model.modules()}
     try:
-        if training is not None:
-            model.train(training)
-        try:
-            _fake_forward(model, inputs)
-        except Exception:
-            if not real:
-                raise
-            counts.clear()
-            _real_forward(model, inputs)
+        with _in_mode(model, training):
+            try:
+                _fake_forward(model, inputs)
+            except Exception:
+                if not real:
+                    raise
+                counts.clear()
+                _real_forward(model, inputs)
     except Exception:  # the model's own error, or fake tensors' refusal: the traced cut says why, if it fails too
         return []
     finally:
         for hook in hooks:
             hook.remove()
-        for m, mode in modes.items():
-            m.training = mode
     repeated = [n for n in names.values() if counts[n] >= 2]
     return [n for n in repeated if not any(n.startswith(outer + ".") for outer in repeated)]
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool | None) -> Iterator[None]:
+    """``model`` in ``training`` mode (None: as it is) while inside; every module's own mode put back after."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        if training is not None:
+            model.train(training)
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
 
 
 def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
@@ -118,19 +128,13 @@ def random_branches(model: nn.Module, inputs: Inputs, *, training: bool | None) 
     would leave unsharded."""
     if _sharded(model):
         return ()
-    modes = {m: m.training for m in model.modules()}
     runs = RandomBranches("low"), RandomBranches("high")
     try:
-        if training is not None:
-            model.train(training)
-        with spent("random-branch forwards"):
+        with _in_mode(model, training), spent("random-branch forwards"):
             for run in runs:
                 _real_forward(model, inputs, run)
                 if not (run.reads or run.unforced):  # no draw read at all: nothing a second run could show
                     break
     except Exception:
         return ()
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
     return branches(*runs)
