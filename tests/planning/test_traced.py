@@ -368,15 +368,21 @@ class NormedConvs(nn.Module):
 def test_cutting_a_forward_with_batchnorm_leaves_its_buffers_and_trains_the_same():
     # sizing the cut runs the traced forward on fake tensors, where BatchNorm's num_batches_tracked += 1 is real
     torch.manual_seed(0)
-    model, x = NormedConvs(), torch.randn(4, 3, 16, 16)
+    _cut_trains_like_its_twin(NormedConvs(), torch.randn(4, 3, 16, 16), "all", steps=1)
+
+
+def _cut_trains_like_its_twin(model: nn.Module, x: torch.Tensor, strategy: str, steps: int) -> None:
+    """Profiling leaves ``model`` as it was and cuts its traced forward; under the plan of ``strategy``, ``steps``
+    steps give its un-checkpointed twin's gradients and buffers."""
     ref, untouched = twin(model), Untouched(model)
     prof = remat.profile(model, x, repeat=1, warmup=0)
     untouched.check()
     assert all(b.name.startswith(HOLDER + ".") for b in prof.blocks)
-    remat.apply(model, remat.plan(prof, strategy="all"))
+    remat.apply(model, remat.plan(prof, strategy=strategy))
     try:
-        model(x).sum().backward()
-        ref(x).sum().backward()
+        for _ in range(steps):
+            model(x).sum().backward()
+            ref(x).sum().backward()
         assert_grads_equal(ref, model)
         assert_buffers_equal(ref, model)
     finally:
@@ -414,21 +420,9 @@ def test_norms_the_trace_inlines_update_their_statistics_once_and_profiling_leav
     # NOTE [Buffers a segment reads]: fx ran num_batches_tracked.add_(1) at trace time and left it out of the
     # trace, and recomputation updated the running statistics a second time (timm's efficientnet_b0, by fuzzing).
     torch.manual_seed(0)
-    model, x = InlinedNorms(), torch.randn(4, 3, 16, 16)
-    ref, untouched = twin(model), Untouched(model)
-    prof = remat.profile(model, x, repeat=1, warmup=0)
-    untouched.check()
-    assert all(b.name.startswith(HOLDER + ".") for b in prof.blocks)
-    remat.apply(model, remat.plan(prof, strategy=strategy))
-    try:
-        for _ in range(2):
-            model(x).backward()
-            ref(x).backward()
-        assert_grads_equal(ref, model)
-        assert_buffers_equal(ref, model)
-        assert all(bn.num_batches_tracked.item() == 2 for bn in model.bn)
-    finally:
-        remat.remove(model)
+    model = InlinedNorms()
+    _cut_trains_like_its_twin(model, torch.randn(4, 3, 16, 16), strategy, steps=2)
+    assert all(bn.num_batches_tracked.item() == 2 for bn in model.bn)
 
 
 class _Aliased(HeavyModel):
