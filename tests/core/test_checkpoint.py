@@ -478,28 +478,6 @@ def test_thirty_steps_identical_with_remat_and_divergent_with_reentrant_torch():
         assert torch.equal(p, q), n
 
 
-def test_hf_kv_cache_side_effect_is_a_clear_error():
-    """A KV cache appended in every forward is appended again in recompute (helper-found; HF eager attention)."""
-    tf = pytest.importorskip("transformers")
-    config = tf.GPT2Config(
-        n_layer=1,
-        n_embd=32,
-        n_head=2,
-        vocab_size=64,
-        n_positions=16,
-        use_cache=True,
-        attn_implementation="eager",
-        bos_token_id=63,
-        eos_token_id=63,
-    )
-    model = tf.GPT2LMHeadModel(config).train()
-    remat.wrap(model.transformer.h[0])
-    ids = torch.randint(0, 64, (2, 16))
-    loss = model(input_ids=ids, labels=ids).loss
-    with pytest.raises(remat.RematError, match="use_cache=False"):
-        loss.backward()
-
-
 def test_side_effect_that_changes_recompute_is_a_clear_error():
     calls = []
 

@@ -1,10 +1,12 @@
 """Hugging Face specifics.
 
 transformers models append to a KV cache in every forward when
-``config.use_cache`` is on, also in training. Recomputation would append twice
-(and selective recomputation fails on the extra slice), so remat turns the cache
-off on every config of the model while it checkpoints, as transformers' own
-gradient checkpointing does, and turns it back on when the checkpointing is removed.
+``config.use_cache`` is on, also in training. A checkpointed layer recomputes on a copy
+of the cache as it found it (NOTE [Caches in recomputation] in remat.core._caches), but
+the cache itself keeps every layer's keys and values for the whole step, which a plan
+made to save memory should not: remat turns the cache off on every config of the model
+while a plan is on it, as transformers' own gradient checkpointing does, and turns it
+back on when the plan is removed.
 
 NOTE [LayerDrop while planning]
 LayerDrop (BART, Whisper, Wav2Vec2, ... with ``layerdrop > 0``) skips each layer of a
@@ -87,7 +89,11 @@ def every_layer_runs(model: nn.Module) -> Iterator[None]:
     """While active, LayerDrop skips no layer of ``model`` (NOTE [LayerDrop while planning])."""
     settings = [(owner, name, getattr(owner, name)) for owner, name in _layerdrop_settings(model)]
     if settings:
-        log.info("remat: LayerDrop off on %d setting(s) of %s while planning", len(settings), type(model).__name__)
+        log.info(
+            "remat: LayerDrop off on %d setting(s) of %s while remat runs its steps",
+            len(settings),
+            type(model).__name__,
+        )
     try:
         for owner, name, _ in settings:
             setattr(owner, name, 0.0)

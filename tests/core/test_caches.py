@@ -1,0 +1,160 @@
+"""NOTE [Caches in recomputation]: a checkpointed layer that writes to a KV cache it is handed."""
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_grads_equal
+
+import remat
+from remat.core._caches import CacheCopies
+
+tf = pytest.importorskip("transformers")
+
+
+def _t5(dropout=0.0):
+    torch.manual_seed(0)
+    config = tf.T5Config(
+        d_model=32,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=2,
+        d_kv=16,
+        vocab_size=100,
+        dropout_rate=dropout,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = tf.T5ForConditionalGeneration(config).train()
+    assert model.config.use_cache and model.decoder.config.use_cache  # the decoder makes its cache in training
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _bart():
+    torch.manual_seed(0)
+    config = tf.BartConfig(
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=0.1,
+    )
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    # With labels BART turns the cache off: the decoder's inputs are given instead, and the loss is taken here.
+    return tf.BartForConditionalGeneration(config).train(), {
+        "input_ids": ids,
+        "decoder_input_ids": ids,
+        "use_cache": True,
+    }
+
+
+def _gpt2():
+    # Decoder-only, eager attention: the model makes a DynamicCache in training while use_cache is on.
+    torch.manual_seed(0)
+    config = tf.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        use_cache=True,
+        attn_implementation="eager",
+        bos_token_id=63,
+        eos_token_id=63,
+    )
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    return tf.GPT2LMHeadModel(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def _cache_lengths(out):
+    cache = out.past_key_values
+    cache = getattr(cache, "self_attention_cache", cache)
+    return [layer.keys.shape[-2] for layer in cache.layers]
+
+
+def _train_step(model, inputs):
+    torch.manual_seed(1)
+    out = model(**inputs)
+    loss = out.loss if out.loss is not None else out.logits.logsumexp(-1).mean()
+    loss.backward()
+    out.loss = loss
+    return out
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "selective-ops"])
+@pytest.mark.parametrize(
+    ("build", "blocks", "inner"),
+    [(_t5, "decoder.block", "layer.0"), (_bart, "model.decoder.layers", "self_attn"), (_gpt2, "transformer.h", "attn")],
+)
+def test_decoder_layers_checkpointed_with_the_cache_on_train_as_without(build, blocks, inner, policy):
+    model, inputs = build()
+    reference = copy.deepcopy(model)
+    expected = _train_step(reference, inputs)
+    layers = model.get_submodule(blocks)
+    recomputed = []
+    layers[1].get_submodule(inner).register_forward_pre_hook(lambda m, a: recomputed.append(remat.is_recomputing()))
+    for layer in layers:
+        remat.wrap(layer, policy=policy)
+    got = _train_step(model, inputs)
+    assert torch.equal(got.loss, expected.loss)
+    assert_grads_equal(reference, model)
+    assert True in recomputed  # the layer ran again in backward
+    # The user's cache was filled once per layer, as without checkpointing.
+    assert _cache_lengths(got) == _cache_lengths(expected) == [inputs["input_ids"].shape[1]] * len(layers)
+
+
+def test_a_cache_is_reused_for_each_recomputation_of_a_full_block():
+    model, inputs = _t5()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    loss = reference(**inputs).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for layer in model.decoder.block:
+        remat.wrap(layer, policy="full")
+    torch.manual_seed(1)
+    loss = model(**inputs).loss
+    loss.backward(retain_graph=True)  # every block recomputed twice, each time from the cache the forward saw
+    loss.backward()
+    assert_grads_equal(reference, model)
+
+
+def test_torch_checkpoint_fails_on_the_same_layers():
+    # The contrast: torch's checkpoint recomputes on the cache the forward left.
+    from torch.utils.checkpoint import checkpoint
+
+    model, inputs = _t5()
+    for layer in model.decoder.block:
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    # transformers 5: torch's count of saved tensors differs; 4.57: attention over the keys twice, a shape error.
+    with pytest.raises(RuntimeError, match="different number of tensors|must match the size"):
+        _train_step(model, inputs)
+
+
+def test_a_copy_shares_every_tensor_and_no_structure():
+    cache = tf.DynamicCache()
+    key = torch.randn(1, 2, 3, 4)
+    cache.update(key, key, 0)
+    copies = CacheCopies.of((), {"past_key_values": cache, "mask": torch.ones(2)})
+    assert copies is not None
+    _, kwargs = copies.fresh((), {"past_key_values": cache, "mask": None})
+    fresh = kwargs["past_key_values"]
+    assert fresh is not cache and fresh.layers is not cache.layers and fresh.layers[0] is not cache.layers[0]
+    assert fresh.layers[0].keys is cache.layers[0].keys  # no tensor copied
+    fresh.update(key, key, 0)
+    fresh.update(key, key, 1)
+    assert cache.layers[0].keys.shape[-2] == 3 and len(cache.layers) == 1  # the user's cache is untouched
+    again = copies.fresh((), {"past_key_values": cache})[1]["past_key_values"]
+    assert again.layers[0].keys.shape[-2] == 3 and len(again.layers) == 1  # each recomputation starts over
+
+
+def test_calls_without_a_cache_copy_nothing():
+    assert CacheCopies.of((torch.ones(2), [1, {"a": torch.ones(1)}]), {"x": None}) is None
