@@ -110,6 +110,38 @@ def test_measure_reports_parameters_without_gradient():
     assert set(m.missing_grads) == {f"inner.cnn_block_1.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")}
 
 
+class _LayerDropStack(nn.Module):
+    """LayerDrop as transformers writes it: a layer skipped when a draw falls below ``layerdrop``."""
+
+    def __init__(self, layers=6, width=64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.layerdrop = 0.5
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_measure_runs_every_layer_of_a_layerdrop_model():
+    # NOTE [LayerDrop while planning]: the step measured is the largest one a later step can be, and a layer a draw
+    # would skip is not reported as untrained. The same seed without it skips layers here.
+    model, x = _LayerDropStack(), torch.randn(256, 64)
+    torch.manual_seed(0)
+    m = remat.measure(model, x, repeat=1, warmup=0)
+    assert m.missing_grads == () and m.grads_ok
+    assert model.layerdrop == 0.5
+    torch.manual_seed(0)
+    model.layerdrop = 1.0
+    dropped = remat.measure(model, x, repeat=1, warmup=0)
+    model.layerdrop = 0.0
+    every = remat.measure(model, x, repeat=1, warmup=0)
+    assert dropped.missing_grads == () and dropped.peak_bytes == every.peak_bytes == m.peak_bytes
+
+
 def test_measure_restores_model_optimizer_and_rng():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
     model[3].eval()  # a mixed training flag must survive too

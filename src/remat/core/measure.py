@@ -27,6 +27,7 @@ from torch import nn
 
 from remat.core._compiled import eager_module
 from remat.core._costs import spent
+from remat.core._hf import every_layer_runs
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
 from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
 from remat.core._state import capture, restoring
@@ -169,6 +170,10 @@ def measure(
             backward passes do (NOTE [The step a loop repeats]).
         warmup: untimed steps first (lazy initialisation, allocator warm-up).
         repeat: timed steps; the reported time is their median.
+
+    LayerDrop is off while it measures, as while remat plans (NOTE [LayerDrop while planning] in
+    ``remat.core._hf``): the step measured runs every layer, the largest a later step can be, and a
+    layer a draw skipped is not reported as missing its gradients.
     """
     require_module(model, "remat.measure")
     check_devices(model, inputs, "remat.measure")
@@ -181,6 +186,7 @@ def measure(
     with (
         restoring("remat.measure", grads.restore, state.restore, opt_state.restore),
         model_errors(model, "remat.measure", "a measured step", checkpointed_modules(model)),
+        every_layer_runs(model),
     ):
         loop.steady(model, inputs, loss_fn)
         times = []
