@@ -15,7 +15,14 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointError
 
-__all__ = ["CheckpointOptionError", "OutOfMemory", "RandomBranchWarning", "RecomputeError", "RematError"]
+__all__ = [
+    "CheckpointOptionError",
+    "OutOfMemory",
+    "RandomBranchWarning",
+    "RecomputeError",
+    "RematError",
+    "TransformError",
+]
 
 
 class RematError(Exception):
@@ -37,6 +44,11 @@ class RecomputeError(RematError, CheckpointError):
 class CheckpointOptionError(RematError, ValueError):
     """An option of ``torch.utils.checkpoint.checkpoint`` that ``remat.checkpoint`` refuses (its value, or
     an option remat cannot honour); a ``ValueError``, as torch's refusals of option values are."""
+
+
+class TransformError(RematError, RuntimeError):
+    """A checkpointed call inside a ``torch.func`` transform that differentiates (``grad``, ``vjp``,
+    ``jacrev``, ``hessian``), where torch's checkpoint cannot run either; a ``RuntimeError``, as torch's is."""
 
 
 class OutOfMemory(RematError, torch.OutOfMemoryError):

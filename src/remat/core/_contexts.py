@@ -7,6 +7,7 @@ torch's selective-checkpoint contexts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +16,11 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from remat.core._region import REGION_BUFFER_MODULES, Learned, Region, _bookkeeping, observed_recomputation
-from remat.core._rng import POLICY_AFTER_OP, SAVE_DECISIONS
+from remat.core._rng import POLICY_AFTER_OP, SAVE_DECISIONS, ReplayContext, RngLedger
+from remat.core._torch_options import CallOptions, route_saved_tensors_hooks
 from remat.core._writes import storage_key, writes_in_place, written_tensors
 
 
@@ -287,3 +290,29 @@ class Stacked:
         if pending is not None and pending is not exc:
             raise pending
         return exc is not None and pending is None
+
+
+def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
+    # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
+    ledger = RngLedger(policy_fn)
+    writes = ForwardWrites(ledger.decide)  # NOTE [Cached outputs written in place] in remat.core._contexts
+    forward, recompute = create_selective_checkpoint_contexts(
+        writes.decide, allow_cache_entry_mutation=options.allow_cache_entry_mutation
+    )
+    route_saved_tensors_hooks(forward, options)  # NOTE in remat.core._torch_options
+    written = RecomputeWritten(recompute)
+    forward = Stacked(RecomputeWritten(forward, at_exit=True, writes=writes), forward)
+    return forward, Stacked(written, recompute, ReplayContext(ledger)) if replay_rng else Stacked(written, recompute)
+
+
+def policy_contexts(policy_fn: Callable[..., Any] | None, replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
+    """The forward and recompute contexts of a policy, a torch user's own ``context_fn`` inside them."""
+    fwd: Any
+    rec: Any
+    if policy_fn is None:
+        fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+    else:
+        fwd, rec = _selective_contexts(policy_fn, replay_rng, options)
+    if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
+        fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
+    return fwd, rec

@@ -17,7 +17,6 @@ passed so that torch still stashes and restores the right device RNG streams.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -30,26 +29,23 @@ from torch.utils.checkpoint import (
 from torch.utils.checkpoint import (
     checkpoint as _torch_checkpoint,
 )
-from torch.utils.checkpoint import (
-    create_selective_checkpoint_contexts,
-)
 
 from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
+from remat.core._caches import CacheCopies
 from remat.core._compiled import quiet_torch_notice, run_compiled
-from remat.core._contexts import ForwardContext, ForwardWrites, RecomputeContext, RecomputeWritten, Stacked
+from remat.core._contexts import ForwardContext, RecomputeContext, Stacked, policy_contexts
+from remat.core._functorch import active_transforms, run_under_transform
 from remat.core._host_rng import HOST_DRAWS, HostDraws
 from remat.core._memo import STRUCTURES, device_markers, learned_memo, memo_key
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE
 from remat.core._region import Region
-from remat.core._rng import ReplayContext, RngLedger
 from remat.core._torch_options import (
     DEFAULT,
     OPTION_NAMES,
     CallOptions,
     no_torch_debug,
     read_torch_options,
-    route_saved_tensors_hooks,
     split_torch_options,
 )
 from remat.errors import RecomputeError, RematError
@@ -57,19 +53,6 @@ from remat.errors import RecomputeError, RematError
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
-    # Every selective policy goes through the ledger: see NOTE in remat.core._rng.
-    ledger = RngLedger(policy_fn)
-    writes = ForwardWrites(ledger.decide)  # NOTE [Cached outputs written in place] in remat.core._contexts
-    forward, recompute = create_selective_checkpoint_contexts(
-        writes.decide, allow_cache_entry_mutation=options.allow_cache_entry_mutation
-    )
-    route_saved_tensors_hooks(forward, options)  # NOTE in remat.core._torch_options
-    written = RecomputeWritten(recompute)
-    forward = Stacked(RecomputeWritten(forward, at_exit=True, writes=writes), forward)
-    return forward, Stacked(written, recompute, ReplayContext(ledger)) if replay_rng else Stacked(written, recompute)
 
 
 def forget_structure(module: nn.Module) -> None:
@@ -143,18 +126,12 @@ def _run_checkpointed(
     learned, remember = learned_memo(fn)
     region = Region(args, kwargs, learned, owner)
     host = HostDraws(*learned_memo(fn, HOST_DRAWS)) if preserve_rng_state else None
+    caches = CacheCopies.of(args, kwargs)  # NOTE [Caches in recomputation] in remat.core._caches
     policy_fn = policy_function(policy)
     phase = {"forward": True}
 
     def context_fn() -> tuple[Any, Any]:
-        fwd: Any
-        rec: Any
-        if policy_fn is None:
-            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-        else:
-            fwd, rec = _selective_contexts(policy_fn, preserve_rng_state, options)
-        if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)
-            fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
+        fwd, rec = policy_contexts(policy_fn, preserve_rng_state, options)
         if recorder is not None:
             fwd = Stacked(fwd, recorder)
         return Stacked(ForwardContext(region, remember), fwd), Stacked(RecomputeContext(region), rec)
@@ -171,6 +148,8 @@ def _run_checkpointed(
         if nested:
             region.restore_inputs(tensors[len(markers) :])
         rargs, rkwargs = region.recompute_inputs()
+        if caches is not None:
+            rargs, rkwargs = caches.fresh(rargs, rkwargs)
         try:
             if host is None:
                 return fn(*rargs, **rkwargs)
@@ -226,9 +205,10 @@ def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception
         )
     return RecomputeError(
         f"remat.checkpoint: {name} failed when rerun in backward ({type(exc).__name__}: {exc}). The function "
-        "must compute the same thing again: a forward side effect (a Hugging Face KV cache: pass use_cache=False, "
-        "or set it to False on every config of the model, e.g. model.config and model.decoder.config; "
-        "remat.apply does that; a counter or cache of your own: guard it with `if not remat.is_recomputing()`) "
+        "must compute the same thing again: a forward side effect (a Hugging Face KV cache that a module "
+        "holds rather than takes as an argument: pass use_cache=False, or set it to False on every config "
+        "of the model, e.g. model.config and model.decoder.config; remat.apply does that; a counter or "
+        "cache of your own: guard it with `if not remat.is_recomputing()`) "
         "or data-dependent control flow changed it."
     )
 
@@ -332,6 +312,17 @@ def _checkpoint_call(
         eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs, options)
         return run_compiled(fn, compiled_policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
     quiet_torch_notice()
+    transforms = active_transforms()
+    if transforms:  # NOTE [Under torch.func transforms] in remat.core._functorch
+        return run_under_transform(
+            fn,
+            args,
+            kwargs,
+            transforms,
+            policy_fn=policy_function(policy),
+            preserve_rng_state=preserve_rng_state,
+            options=options,
+        )
     return _run_uncompiled(fn, policy, preserve_rng_state, args, kwargs, options)
 
 
