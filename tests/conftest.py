@@ -369,3 +369,23 @@ def on_a_smaller_gpu(monkeypatch):
     yield cap
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
+
+
+def tiny_t5(decoder_layers=2):
+    """A T5 with random weights in training mode, and a batch with labels; its configs have use_cache on."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = tf.T5Config(
+        d_model=32,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=decoder_layers,
+        num_heads=2,
+        d_kv=16,
+        vocab_size=100,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    return tf.T5ForConditionalGeneration(config).train(), {"input_ids": ids, "labels": ids}

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_grads_equal
+from conftest import assert_grads_equal, tiny_t5
 
 import remat
 from remat.core._caches import CacheCopies
@@ -12,24 +12,10 @@ from remat.core._caches import CacheCopies
 tf = pytest.importorskip("transformers")
 
 
-def _t5(dropout=0.0):
-    torch.manual_seed(0)
-    config = tf.T5Config(
-        d_model=32,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=3,
-        num_heads=2,
-        d_kv=16,
-        vocab_size=100,
-        dropout_rate=dropout,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-    model = tf.T5ForConditionalGeneration(config).train()
+def _t5():
+    model, inputs = tiny_t5(decoder_layers=3)
     assert model.config.use_cache and model.decoder.config.use_cache  # the decoder makes its cache in training
-    return model, {"input_ids": ids, "labels": ids}
+    return model, inputs
 
 
 def _bart():

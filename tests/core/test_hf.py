@@ -20,24 +20,6 @@ def test_fake_tensors_are_not_tracing_while_untraced():
     assert import_utils.is_tracing(fake)
 
 
-def _t5():
-    tf = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = tf.T5Config(
-        d_model=32,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=2,
-        d_kv=16,
-        vocab_size=100,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    ids = torch.randint(1, 100, (2, 8))
-    return tf.T5ForConditionalGeneration(config).train(), {"input_ids": ids, "labels": ids}
-
-
 def _use_cache(model):
     return {name: m.config.use_cache for name, m in model.named_modules() if hasattr(m, "config")}
 
@@ -46,11 +28,11 @@ def test_t5_cache_off_on_every_config_and_restored_and_all_recomputed_matches_pl
     # T5's decoder stack has a config of its own with use_cache=True (NOTE [Every config, not only the top one]).
     import copy
 
-    from conftest import assert_grads_equal
+    from conftest import assert_grads_equal, tiny_t5
 
     import remat
 
-    model, inputs = _t5()
+    model, inputs = tiny_t5()
     before = _use_cache(model)
     assert before[""] and before["decoder"]
     reference = copy.deepcopy(model)
