@@ -1,8 +1,10 @@
 """Branches on random draws (NOTE [Branches on random draws]): found by two forced runs, told by profile and auto."""
 
 import copy
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -64,6 +66,45 @@ def test_a_branch_on_a_random_draw_is_found_where_it_is(name):
 def test_a_draw_that_decides_nothing_is_no_branch(name):
     model, x = _model(_NOT_BRANCHING[name])
     assert random_branches(model, x, training=True) == ()
+
+
+_HOST_BRANCHING = {
+    "python random": lambda x: random.random() < 0.5,
+    "numpy rand": lambda x: np.random.rand() < 0.5,
+    "numpy choice": lambda x: bool(np.random.choice([True, False])),
+}
+_HOST_NOT_BRANCHING = {
+    "python random below 0": lambda x: random.random() < 0.0,
+    # A mask drawn from NumPy, as Wav2Vec2's SpecAugment: other values each step, the same ops.
+    "numpy mask": lambda x: bool(torch.from_numpy(np.random.rand(*x.shape) < 0.5).float().mul(x).sum() > 1e9),
+}
+
+
+@pytest.mark.parametrize("name", _HOST_BRANCHING)
+def test_a_branch_on_a_host_draw_is_found_where_it_is(name):
+    model, x = _model(_HOST_BRANCHING[name])
+    for seed in range(5):  # whatever path the user's own state takes
+        random.seed(seed)
+        np.random.seed(seed)
+        before = (random.getstate(), np.random.get_state())
+        found = random_branches(model, x, training=True)
+        assert len(found) == 1 and found[0].startswith("test_random_branches.py:"), found
+        assert "Python's or NumPy's" in found[0]
+        assert random.getstate() == before[0] and np.random.get_state()[2] == before[1][2]  # put back
+
+
+@pytest.mark.parametrize("name", _HOST_NOT_BRANCHING)
+def test_a_host_draw_that_decides_nothing_is_no_branch(name):
+    model, x = _model(_HOST_NOT_BRANCHING[name])
+    assert random_branches(model, x, training=True) == ()
+
+
+def test_auto_refuses_a_model_that_skips_layers_on_a_python_draw():
+    model, _ = _model(_HOST_BRANCHING["python random"])
+    x = torch.randn(256, 16)  # activations that a plan at 0.9 can save
+    random.seed(0)  # a step that skips every layer trains nothing: not this one
+    with pytest.raises(remat.RematError, match=r"test_random_branches.py:\d+ .*Python's or NumPy's generator"):
+        remat.auto(model, x, budget=0.9)
 
 
 def test_the_runs_leave_the_model_its_rng_and_its_mode_as_they_were():

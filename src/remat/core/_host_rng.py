@@ -24,13 +24,14 @@ from typing import Any
 
 from remat.core._state import host_rng, set_host_rng
 
-__all__ = ["HOST_DRAWS", "HostDraws"]
+__all__ = ["HOST_DRAWS", "HostDraws", "same_host_rng"]
 
 #: Per callable, whether its first forward moved Python's or NumPy's generator.
 HOST_DRAWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _same(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+def same_host_rng(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two :func:`remat.core._state.host_rng` states are the same (neither generator drew between)."""
     (python_a, numpy_a), (python_b, numpy_b) = a, b
     if python_a != python_b:
         return False
@@ -56,7 +57,7 @@ class HostDraws:
         self.start = host_rng()
         out = fn()
         if self.draws is None:
-            moved = not _same(self.start, host_rng())
+            moved = not same_host_rng(self.start, host_rng())
             self.remember(moved)
             if not moved:
                 self.start = None

@@ -35,7 +35,7 @@ from remat.core._step import call_model
 from remat.core._typing import Inputs
 from remat.profiling._blocks import is_leaf
 from remat.profiling._fake import FakeWeights, fake_like
-from remat.profiling._random_branches import RandomBranches, branches
+from remat.profiling._random_branches import HOST_RUNS, RandomBranches, branches, weight_storages
 from remat.profiling._shadow import ValueShadows
 
 __all__ = ["called_more_than_once", "random_branches"]
@@ -128,13 +128,19 @@ def random_branches(model: nn.Module, inputs: Inputs, *, training: bool | None) 
     would leave unsharded."""
     if _sharded(model):
         return ()
-    runs = RandomBranches("low"), RandomBranches("high")
+    weights = weight_storages(model)
+    low, high = RandomBranches("low", weights=weights), RandomBranches("high")
+    host_runs: list[RandomBranches] = []
     try:
         with _in_mode(model, training), spent("random-branch forwards"):
-            for run in runs:
-                _real_forward(model, inputs, run)
-                if not (run.reads or run.unforced):  # no draw read at all: nothing a second run could show
+            _real_forward(model, inputs, low)
+            if low.reads or low.unforced:  # a draw read: a second run, forced high, shows whether it branches
+                _real_forward(model, inputs, high)
+            for seed in range(HOST_RUNS if low.host_moved else 0):  # the forward draws from Python or NumPy
+                host_runs.append(RandomBranches("low", weights=weights, host_seed=seed, reference=low))
+                _real_forward(model, inputs, host_runs[-1])
+                if host_runs[-1].diverged is not None:
                     break
     except Exception:
         return ()
-    return branches(*runs)
+    return branches(low, high, *host_runs)

@@ -25,17 +25,27 @@ running the forward without gradients, and a second time where the first read a 
 * A read of a sample neither run can force (``randn``, ``randint``, ``bernoulli`` of a tensor of
   probabilities, ...) counts as a branch.
 
+Python's and NumPy's generators do not pass through torch's dispatcher: their draws cannot be
+forced, and a test of one is a test of a Python number. So where the first run moved either
+generator, up to ``HOST_RUNS`` more runs each start them from another state (torch's draws
+forced low again, and everything put back after), and the ops each runs, with their output
+shapes, are compared with the first run's: the first op that differs is where the forward
+took another path on a host draw. A branch rare enough that every one of those draws takes
+the first run's path is not seen (LayerDrop at 0.1 over 6 layers: 8% of the time); a mask
+drawn from NumPy (Wav2Vec2's SpecAugment) changes values, not ops, and is no branch.
+
 A real profile records where they are (``Profile.random_branches``, ``file.py:line
 (function)``): ``remat.auto`` refuses to promise a budget for such a model and says how to fix
 the draw, ``remat.profile`` warns. A fake profile, which cannot take such a branch at all (a
-draw has no value), says so. Python's and NumPy's generators do not pass through torch's
-dispatcher, so branches on their draws are not seen; neither are branches in an FSDP2 model's
-real profile (a forward without gradients leaves its root unsharded), which LayerDrop's
-settings still cover.
+draw has no value), says so; a branch on a host draw it does not see. Nor are branches seen
+in an FSDP2 model's real profile (a forward without gradients leaves its root unsharded),
+which LayerDrop's settings still cover.
 """
 
 from __future__ import annotations
 
+import random
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -44,11 +54,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.core._host_rng import same_host_rng
 from remat.core._memtrack import op_tensors
 from remat.core._rng import draws_random
+from remat.core._state import host_rng
 from remat.core._writes import written_tensors
 
-__all__ = ["Draws", "RandomBranches", "branches", "where_in_the_model"]
+__all__ = ["HOST_RUNS", "Draws", "RandomBranches", "branches", "weight_storages", "where_in_the_model"]
+
+#: Runs from other states of Python's and NumPy's generators, where a forward draws from them.
+HOST_RUNS = 3
 
 aten = torch.ops.aten
 _READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
@@ -155,14 +170,47 @@ def where_in_the_model() -> str:
 
 class RandomBranches(TorchDispatchMode):
     """One run of NOTE [Branches on random draws]: draws forced to their ``end`` ("low" or "high"), every read of a
-    drawn value recorded with where it happened."""
+    drawn value recorded with where it happened, and the ops it ran. With ``host_seed``, the run starts Python's
+    and NumPy's generators from a state of that seed (the caller puts them back) and records where its ops first
+    differ from ``reference``'s."""
 
-    def __init__(self, end: str) -> None:
+    def __init__(
+        self,
+        end: str,
+        *,
+        weights: frozenset[int] = frozenset(),
+        host_seed: int | None = None,
+        reference: RandomBranches | None = None,
+    ) -> None:
         super().__init__()
         self.end = end
         self.draws = Draws()
         self.reads: list[tuple[str, Any]] = []
         self.unforced: list[str] = []
+        self.ops: list[tuple[Any, tuple, tuple]] = []
+        self.weights = weights
+        """Storages (``data_ptr``) of the model's parameters and buffers: which layer an op is of."""
+        self.host_seed = host_seed
+        self.reference = reference.ops if reference is not None else None
+        self.diverged: str | None = None
+        self.host_moved = False
+        self._host_start: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> RandomBranches:
+        if self.host_seed is not None:
+            random.seed(self.host_seed)
+            numpy = sys.modules.get("numpy")
+            if numpy is not None:
+                numpy.random.seed(self.host_seed)
+        self._host_start = host_rng()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self._host_start is not None:
+            self.host_moved = not same_host_rng(self._host_start, host_rng())
+        if self.reference is not None and self.diverged is None and len(self.ops) != len(self.reference):
+            self.diverged = "the end of the forward"  # one run stopped where the other went on
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -178,12 +226,37 @@ class RandomBranches(TorchDispatchMode):
             for t in op_tensors(out):
                 if self.draws.drawn(t):
                     _force(t, ends, self.end)
+        self._note_op(func, args, out)
         return out
 
+    def _note_op(self, func: Any, args: tuple, out: Any) -> None:
+        # Alike layers run alike ops: the weights an op reads tell a skipped layer from the next one.
+        weights = tuple(p for p in (_storage(t) for t in op_tensors(args)) if p in self.weights)
+        op = (func, tuple(tuple(t.shape) for t in op_tensors(out)), weights)
+        index = len(self.ops)
+        self.ops.append(op)
+        if self.reference is not None and self.diverged is None:
+            if index >= len(self.reference) or self.reference[index] != op:
+                self.diverged = where_in_the_model()
 
-def branches(low: RandomBranches, high: RandomBranches) -> tuple[str, ...]:
-    """Where the runs ``low`` and ``high`` of one forward show a branch on a random draw: reads of draws neither
-    could force, and the first read whose value differs between them."""
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass)
+        return None
+
+
+def weight_storages(model: torch.nn.Module) -> frozenset[int]:
+    """The storages of ``model``'s parameters and buffers, as :class:`RandomBranches` takes them."""
+    found = (_storage(t) for t in (*model.parameters(), *model.buffers()))
+    return frozenset(p for p in found if p)
+
+
+def branches(low: RandomBranches, high: RandomBranches, *host_runs: RandomBranches) -> tuple[str, ...]:
+    """Where the runs ``low`` and ``high`` of one forward show a branch on a random draw (reads of draws neither
+    could force, and the first read whose value differs between them), and where ``host_runs`` first ran other ops
+    than ``low`` (a branch on Python's or NumPy's draws)."""
     found = dict.fromkeys([*low.unforced, *high.unforced])
     for (where, a), (_, b) in zip(low.reads, high.reads, strict=False):
         if a != b:
@@ -193,4 +266,8 @@ def branches(low: RandomBranches, high: RandomBranches) -> tuple[str, ...]:
         if len(low.reads) != len(high.reads):
             longer = low.reads if len(low.reads) > len(high.reads) else high.reads
             found[longer[min(len(low.reads), len(high.reads))][0]] = None
+    for run in host_runs:
+        if run.diverged is not None:
+            found[f"{run.diverged} (a draw of Python's or NumPy's generator)"] = None
+            break
     return tuple(found)
