@@ -645,6 +645,33 @@ def test_a_checkpoint_remats_plan_needs_for_its_budget_pays_however_little_it_sa
     assert unplanned.codes().count("checkpoint-does-not-pay") == len(plan.checkpointed)
 
 
+class SharedBlock(nn.Module):
+    """One block called four times (ALBERT's shared layer group): its checkpoint is one, whichever call frees."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 32))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        for _ in range(4):
+            x = x + self.block(x)
+        return self.head(x)
+
+
+def test_a_checkpoint_on_a_shared_block_is_weighed_over_all_its_calls():
+    # Before, each call was turned off alone: one call of four freed nothing the peak saw, and the doctor told to
+    # remove the checkpoint, which (all four calls) puts the step back at its peak without checkpointing.
+    torch.manual_seed(0)
+    model, x = SharedBlock(), torch.randn(256, 32)
+    plain = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    remat.wrap(model.block)
+    wrapped = remat.measure(model, x, warmup=0, repeat=1).peak_bytes
+    assert wrapped < 0.7 * plain  # the checkpoint pays
+    report = diagnose(model, x, measure_cost=True, warmup=0, repeat=1)
+    assert "checkpoint-does-not-pay" not in report.codes(), [f.message for f in report.findings]
+
+
 def test_a_checkpoint_the_budget_does_not_need_is_still_told():
     torch.manual_seed(0)
     model, x = _mlp(depth=40), torch.randn(128, 32)

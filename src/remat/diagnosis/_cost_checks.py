@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from remat.diagnosis._calls import CheckpointCall
+from remat.diagnosis._calls import CallKey, CheckpointCall
 from remat.diagnosis._findings import (
     WARNING,
     Costs,
@@ -25,20 +25,33 @@ def _leaves(call: CheckpointCall, leaves: set[str]) -> int:
     return len({m for m in call.modules | set(call.module_names) if m in leaves})
 
 
+def removable_units(calls: list[CheckpointCall]) -> dict[tuple[str, str], list[CallKey]]:
+    """The top-level calls that train, by (site, target): removing a checkpoint removes every call of it."""
+    units: dict[tuple[str, str], list[CallKey]] = {}
+    for c in calls:
+        if c.depth == 0 and c.output_requires_grad is not False:
+            units.setdefault((c.site, c.target), []).append(c.key)
+    return units
+
+
 def check_cost(
     ck: StepRecord, costs: Costs, leaves: set[str], min_saving: float, budget: int | None = None
 ) -> list[Finding]:
     """``budget``: of the plan remat put on the model; a checkpoint without which the step is over it pays, however
-    little it saves (the plan needs it)."""
+    little it saves (the plan needs it). ``costs.without`` is keyed by :func:`removable_units`."""
     if costs.checkpointed is None:
         return []
     base = max(costs.reference.step_peak_bytes, 1)
     with_ = costs.checkpointed
     findings = []
-    for call in ck.calls:
-        without = costs.without.get(call.key)
+    units = removable_units(ck.calls)
+    by_key = {c.key: c for c in ck.calls}
+    for unit, keys in units.items():
+        without = costs.without.get(unit)
         if without is None:
             continue
+        calls = [by_key[k] for k in keys]
+        call = calls[0]
         saving = without.peak_bytes - with_.peak_bytes
         if saving >= min_saving * base or (budget is not None and without.peak_bytes > budget):
             continue
@@ -53,8 +66,9 @@ def check_cost(
         if budget is not None:
             why += f" Without it the step is still within the {human_bytes(budget)} budget of remat's plan."
         t_with, t_without = fastest(with_), fastest(without)
+        times = f" ({len(calls)} calls)" if len(calls) > 1 else ""
         message = (
-            f"{where_called([call])} lowers the step's peak memory by {human_bytes(saving)} "
+            f"{where_called(calls)}{times} lowers the step's peak memory by {human_bytes(saving)} "
             f"({saving / base:.1%} of the "
             f"step's own peak without checkpointing): {human_bytes(with_.peak_bytes)} with it, "
             f"{human_bytes(without.peak_bytes)} without. "
@@ -73,7 +87,7 @@ def check_cost(
                 fix,
                 call.module_names,
                 (),
-                call_sites([call]),
+                call_sites(calls),
                 {
                     "peak_bytes_with": with_.peak_bytes,
                     "peak_bytes_without": without.peak_bytes,

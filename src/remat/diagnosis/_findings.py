@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from remat.core.measure import Measurement
-from remat.diagnosis._calls import ROOT, CallKey, CheckpointCall
+from remat.diagnosis._calls import ROOT, CheckpointCall
 
 ERROR, WARNING = "error", "warning"
 
@@ -68,11 +68,12 @@ class StepRecord:
 
 @dataclass
 class Costs:
-    """Measured steps: reference (no checkpointing), as written, and without one region each."""
+    """Measured steps: reference (no checkpointing), as written, and without one checkpoint each (every call of
+    one target at one site)."""
 
     reference: Measurement
     checkpointed: Measurement | None
-    without: dict[CallKey, Measurement]
+    without: dict[tuple[str, str], Measurement]
 
 
 def owner_of(param: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import statistics
 import time
 from collections.abc import Callable
@@ -194,9 +193,11 @@ def _costs(run: _Run, ck: StepRecord, warmup: int, repeat: int) -> Costs:
     if any(g is not None for g in ck.grads.values()):  # as written the step trains something: time it too
         configs["checkpointed"] = never
         # Only top-level regions that train: turning off a nested one changes its parent's
-        # recomputation, and a region whose output needs no grad "saves" by training nothing.
-        for key in dict.fromkeys(c.key for c in ck.calls if c.depth == 0 and c.output_requires_grad is not False):
-            configs[key] = functools.partial(operator.eq, key)
+        # recomputation, and a region whose output needs no grad "saves" by training nothing. Every
+        # call of one target at one site goes off together: removing that checkpoint removes them all
+        # (a shared layer called four times, ALBERT's).
+        for unit, keys in cost_checks.removable_units(ck.calls).items():
+            configs[unit] = frozenset(keys).__contains__
     peaks = {name: _measure(run, plain, warmup) for name, plain in configs.items()}
     times = _interleaved_times(run, configs, repeat)
     done = {
