@@ -15,6 +15,17 @@ is contiguous where the real one is not, and the fake step skipped the copies th
 one makes after it (a full block predicted one activation low). So while a fake profile
 runs, the ops of ``SUGGESTED_FORMAT`` return their first output in the format their
 ``input`` argument suggests, as the device's kernels do.
+
+NOTE [A reduced loss on its unreduced storage]
+``mse_loss``, ``smooth_l1_loss``, ``binary_cross_entropy`` and ``soft_margin_loss`` with a
+reduction compute the loss of every element into their output and then shrink it to the
+0-d result (ATen's structured kernels and ``resize_``, which never gives memory back): the
+scalar loss keeps a storage of the prediction's size until it is dropped, after backward.
+Their fake implementations (Python references) return a 4-byte scalar. PatchTST's MSE
+loss made every fake prediction 188 bytes low, and a fake floor that a real step refused
+(a 1000x1000 prediction: 4 MB). So in a fake run these ops return their result on a
+storage of the unreduced size, as the kernels do (measured on CPU against a real step in
+``tests/profiling/test_kernel_layouts.py``; read from ATen's code, shared with CUDA).
 """
 
 from __future__ import annotations
@@ -56,6 +67,33 @@ SUGGESTED_FORMAT = _overloads(
 )
 
 
+#: Ops whose device kernels leave a reduced loss on the storage of the unreduced one (NOTE [A reduced loss on its
+#: unreduced storage]).
+REDUCED_IN_PLACE = _overloads("mse_loss", "smooth_l1_loss", "binary_cross_entropy", "soft_margin_loss")
+
+#: The ops whose outputs ``laid_out`` may replace.
+RELAID = SUGGESTED_FORMAT | REDUCED_IN_PLACE
+
+
+def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, default)
+    return default
+
+
+def _on_unreduced_storage(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out``, a reduced loss, on a storage of the unreduced loss's size, as the device's kernel leaves it."""
+    reduction, beta = _argument(func, args, kwargs, "reduction", 1), _argument(func, args, kwargs, "beta", 1.0)
+    source, target = _argument(func, args, kwargs, "self"), _argument(func, args, kwargs, "target")
+    if reduction == 0 or beta == 0 or not isinstance(out, torch.Tensor) or out.dim() != 0:
+        return out  # unreduced, or smooth_l1_loss with beta 0 (the kernel runs l1_loss, which allocates anew)
+    if not isinstance(source, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return out
+    kept = torch.empty(torch.broadcast_shapes(source.shape, target.shape), dtype=out.dtype, device=out.device)
+    return kept.resize_(())
+
+
 def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == "input":
@@ -65,7 +103,9 @@ def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def laid_out(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """``out`` of ``func`` with its first output laid out as the device's kernels lay it out (``out`` itself when
-    it already is, or ``func`` is not in ``SUGGESTED_FORMAT``); run with the modes below the caller's active."""
+    it already is, or ``func`` is not in ``RELAID``); run with the modes below the caller's active."""
+    if func in REDUCED_IN_PLACE:
+        return _on_unreduced_storage(func, args, kwargs, out)
     if func not in SUGGESTED_FORMAT:
         return out
     source = _input_of(func, args, kwargs)
@@ -79,9 +119,10 @@ def laid_out(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
 
 
 class KernelLayouts(TorchDispatchMode):
-    """Inside a fake run: the outputs of ``SUGGESTED_FORMAT``'s ops laid out as the device's kernels lay them
-    out (NOTE [Output layouts of the device's kernels]). A fake profile does the same inside its value shadows'
-    layer (``ValueShadows(layouts=True)``): each dispatch layer costs every op of the step."""
+    """Inside a fake run: the outputs of ``RELAID``'s ops laid out as the device's kernels lay them out (NOTE
+    [Output layouts of the device's kernels], NOTE [A reduced loss on its unreduced storage]). A fake profile
+    does the same inside its value shadows' layer (``ValueShadows(layouts=True)``): each dispatch layer costs
+    every op of the step."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}

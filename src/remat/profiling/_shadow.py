@@ -34,7 +34,7 @@ from remat.core._memtrack import op_tensors
 from remat.core._rng import draws_random
 from remat.core._writes import written_tensors
 from remat.errors import RematError
-from remat.profiling._kernel_layouts import SUGGESTED_FORMAT, _input_of, laid_out
+from remat.profiling._kernel_layouts import RELAID, _input_of, laid_out
 from remat.profiling._random_branches import Draws, where_in_the_model
 
 aten = torch.ops.aten
@@ -158,7 +158,7 @@ class ValueShadows(TorchDispatchMode):
         elif getattr(getattr(func, "_schema", None), "is_mutable", False):
             for t in written_tensors(func, args, kwargs):
                 self._twins.pop(id(t), None)
-        if self.layouts and func in SUGGESTED_FORMAT:
+        if self.layouts and func in RELAID:
             return self._laid_out(func, args, kwargs, out)
         return out
 
@@ -171,7 +171,8 @@ class ValueShadows(TorchDispatchMode):
         first, copy = (out[0], laid[0]) if isinstance(out, tuple) else (out, laid)
         real = self.twin(first)
         if real is not None and copy.numel() <= self.limit:
+            source = _input_of(func, args, kwargs)
             with _disable_current_modes():
-                twin = real.clone(memory_format=suggest_memory_format(_input_of(func, args, kwargs)))
+                twin = real.clone(memory_format=suggest_memory_format(source)) if source is not None else real.clone()
             self._keep(copy, twin)
         return laid
