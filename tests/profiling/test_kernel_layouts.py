@@ -208,3 +208,55 @@ def test_a_fake_profile_with_an_mse_loss_is_the_real_one():
     for pick in (("full",) * len(names), ("keep", "full", "keep")):
         assignment = dict(zip(names, pick))
         assert fake.predict_peak(assignment) == real.predict_peak(assignment), pick
+
+
+# --- NOTE [Mixed-type norms keep float statistics] ----------------------------------------------------------------
+
+_LOW_X = (4, 6, 5)
+NORMS = {
+    "layer_norm": lambda x, p: F.layer_norm(x, (5,), p(5), p(5)),
+    "layer_norm without parameters": lambda x, p: F.layer_norm(x, (5,)),
+    "batch_norm training": lambda x, p: F.batch_norm(x, p(6).detach(), p(6).detach() + 1, p(6), p(6), training=True),
+    "batch_norm eval": lambda x, p: F.batch_norm(x, p(6).detach(), p(6).detach() + 1, p(6), p(6), training=False),
+    "batch_norm no statistics": lambda x, p: F.batch_norm(x, None, None, p(6), p(6), training=True),
+}
+
+
+class _Dtypes(TorchDispatchMode):
+    """The dtype and storage bytes of every output of every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = out if isinstance(out, (tuple, list)) else [out]
+        if not func.name().startswith(("prim::", "aten::detach")):
+            self.seen.append([(t.dtype, t.untyped_storage().nbytes()) for t in flat if isinstance(t, torch.Tensor)])
+        return out
+
+
+def _norm_outputs(name, layer=None):
+    """Each op's output dtypes and bytes for ``name`` on a bf16 input with float32 parameters, forward and
+    backward: real (no ``layer``) or fake under ``layer``."""
+    x = torch.randn(*_LOW_X).to(torch.bfloat16).requires_grad_()
+    mode = FakeTensorMode() if layer is not None else None
+    if mode is not None:
+        x = mode.from_tensor(x.detach()).requires_grad_()
+    seen = _Dtypes()
+    with mode or contextlib.nullcontext():
+
+        def param(n):
+            return torch.rand(n).requires_grad_()
+
+        with layer() if layer is not None else contextlib.nullcontext(), seen:
+            NORMS[name](x, param).float().sum().backward()
+    return seen.seen
+
+
+@pytest.mark.parametrize("layer", [KernelLayouts, lambda: ValueShadows(layouts=True)], ids=["layouts", "shadows"])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_a_fake_mixed_type_norm_keeps_the_statistics_the_cpu_kernel_keeps(name, layer):
+    # A bf16 LayerNorm with float32 parameters keeps float32 mean and rstd on CPU; its fake kernel returned bf16.
+    assert _norm_outputs(name, layer) == _norm_outputs(name)

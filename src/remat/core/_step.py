@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from remat.core._autocast import outside_autocast
 from remat.core._typing import Inputs, LossFn
 from remat.errors import RematError
 
@@ -90,13 +91,14 @@ def training_step(
             "remat: the loss does not require grad, so no parameter can be trained; "
             "check that the model has trainable parameters and that the step is not under torch.no_grad()."
         )
-    if before_backward is not None:
-        before_backward()
-    loss.backward()
-    if optimizer is not None:
-        if before_optimizer_step is not None:
-            before_optimizer_step()
-        optimizer.step()
+    with outside_autocast():  # NOTE [Autocast around remat's calls]
+        if before_backward is not None:
+            before_backward()
+        loss.backward()
+        if optimizer is not None:
+            if before_optimizer_step is not None:
+                before_optimizer_step()
+            optimizer.step()
     return loss.detach()
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core._autocast import outside_autocast
 from remat.core._state import ModelState, capture, restoring
 from remat.core._step import InputGrads, LossFn, call_model, compute_loss, training_step
 from remat.core.measure import Measurement, _sync, device_of, measure
@@ -129,7 +130,8 @@ def _step(run: _Run, *, plain: bool) -> StepRecord:
     with observing(run.icpt):
         loss = compute_loss(call_model(run.model, run.inputs), run.loss_fn)
         if loss.requires_grad:
-            loss.backward()
+            with outside_autocast():  # NOTE [Autocast around remat's calls] in remat.core._autocast
+                loss.backward()
         elif plain:
             raise RematError(
                 "remat.doctor: the loss does not require grad even without checkpointing, so there is nothing to "

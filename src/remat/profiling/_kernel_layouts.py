@@ -26,6 +26,21 @@ loss made every fake prediction 188 bytes low, and a fake floor that a real step
 (a 1000x1000 prediction: 4 MB). So in a fake run these ops return their result on a
 storage of the unreduced size, as the kernels do (measured on CPU against a real step in
 ``tests/profiling/test_kernel_layouts.py``; read from ATen's code, shared with CUDA).
+
+NOTE [Mixed-type norms keep float statistics]
+LayerNorm and BatchNorm on a bfloat16 or float16 input with a float32 parameter or
+running statistic (a low-precision activation through an fp32 norm, as
+CPU autocast runs it) compute and return their mean and inverse deviation in float32:
+twice the bytes of the input-dtype statistics their fake implementations return, and the
+forward saves them for backward. A bf16 MLP under CPU autocast was predicted 256 bytes
+low per LayerNorm, and auto's fake floor was refused by a real step. So in a fake run
+these ops return those statistics in float32 (CPU measured in
+``tests/profiling/test_kernel_layouts.py``; CUDA's LayerNorm keeps them in its float
+accumulation type whatever the input, which a fake profile for a CUDA target does not
+yet model where the norm's parameters are low-precision too). GroupNorm does the same on
+CPU, but its fake backward computes in its statistics' dtype and would return a float32
+gradient where the kernel returns bf16, so its statistics are left as the fake kernel
+gives them (16 bytes per group and sample low).
 """
 
 from __future__ import annotations
@@ -71,8 +86,21 @@ SUGGESTED_FORMAT = _overloads(
 #: unreduced storage]).
 REDUCED_IN_PLACE = _overloads("mse_loss", "smooth_l1_loss", "binary_cross_entropy", "soft_margin_loss")
 
+#: Norms whose kernels keep float32 statistics for a low-precision input beside float32 parameters (NOTE [Mixed-type
+#: norms keep float statistics]); outputs 1 and 2 are the statistics.
+MIXED_STATISTICS = _overloads(
+    "native_layer_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_batch_norm_with_update",
+    "_batch_norm_no_update",
+)
+_LOW = (torch.bfloat16, torch.float16)
+_PARAMETERS = ("weight", "bias", "running_mean", "running_var")
+
 #: The ops whose outputs ``laid_out`` may replace.
-RELAID = SUGGESTED_FORMAT | REDUCED_IN_PLACE
+RELAID = SUGGESTED_FORMAT | REDUCED_IN_PLACE | MIXED_STATISTICS
 
 
 def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
@@ -94,6 +122,21 @@ def _on_unreduced_storage(func: Any, args: tuple, kwargs: dict, out: Any) -> Any
     return kept.resize_(())
 
 
+def _float_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` with its statistics in float32 where the op mixes a low-precision input with float32 parameters."""
+    source = _argument(func, args, kwargs, "input")
+    if not isinstance(source, torch.Tensor) or source.dtype not in _LOW or not isinstance(out, tuple):
+        return out
+    mixed = any(
+        isinstance(p, torch.Tensor) and p.dtype == torch.float32
+        for p in (_argument(func, args, kwargs, name) for name in _PARAMETERS)
+    )
+    if not mixed or len(out) < 3 or not all(isinstance(t, torch.Tensor) for t in out[1:3]):
+        return out
+    stats = tuple(t if t.dtype == torch.float32 else t.new_empty(t.shape, dtype=torch.float32) for t in out[1:3])
+    return (out[0], *stats, *out[3:])
+
+
 def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == "input":
@@ -106,6 +149,8 @@ def laid_out(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     it already is, or ``func`` is not in ``RELAID``); run with the modes below the caller's active."""
     if func in REDUCED_IN_PLACE:
         return _on_unreduced_storage(func, args, kwargs, out)
+    if func in MIXED_STATISTICS:
+        out = _float_statistics(func, args, kwargs, out)
     if func not in SUGGESTED_FORMAT:
         return out
     source = _input_of(func, args, kwargs)

@@ -163,16 +163,19 @@ class ValueShadows(TorchDispatchMode):
         return out
 
     def _laid_out(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        """``laid_out``'s output, its twin laid out alike: the ``clone`` that ``contiguous`` makes under a
-        ``KernelLayouts`` above would run through this mode, which shadows it as any op, so its twin is that clone."""
+        """``laid_out``'s output, each output it replaced given its twin laid out alike: the ``clone`` (or the
+        float32 copy) it stands for would run through this mode under a ``KernelLayouts`` above, which shadows it as
+        any op, so its twin is that clone."""
         laid = laid_out(func, args, kwargs, out)
         if laid is out:
             return out
-        first, copy = (out[0], laid[0]) if isinstance(out, tuple) else (out, laid)
-        real = self.twin(first)
-        if real is not None and copy.numel() <= self.limit:
-            source = _input_of(func, args, kwargs)
+        pairs = zip(out, laid) if isinstance(out, tuple) else [(out, laid)]
+        source = _input_of(func, args, kwargs)
+        for i, (before, after) in enumerate(pairs):
+            real = self.twin(before) if after is not before else None
+            if real is None or after.numel() > self.limit:
+                continue
+            layout = suggest_memory_format(source) if i == 0 and source is not None else torch.contiguous_format
             with _disable_current_modes():
-                twin = real.clone(memory_format=suggest_memory_format(source)) if source is not None else real.clone()
-            self._keep(copy, twin)
+                self._keep(after, real.to(dtype=after.dtype, memory_format=layout, copy=True))
         return laid
