@@ -123,9 +123,10 @@ def _sharded(model: nn.Module) -> bool:
 
 def random_branches(model: nn.Module, inputs: Inputs, *, training: bool | None) -> tuple[str, ...]:
     """Where ``model``'s forward branches on a random draw (NOTE [Branches on random draws]): a real forward without
-    gradients, draws forced low, and where it read a draw a second one, forced high; the model's state and RNG put
-    back after each; () also when the forward fails (the profile's step says why), and for FSDP2 models, which it
-    would leave unsharded."""
+    gradients, draws forced low; where it read a draw a second one, forced high; where it moved Python's or NumPy's
+    generator up to ``HOST_RUNS`` more from other states of them. The model's state and RNG put back after each; ()
+    also when the forward fails (the profile's step says why), and for FSDP2 models, which it would leave
+    unsharded."""
     if _sharded(model):
         return ()
     weights = weight_storages(model)
