@@ -260,3 +260,16 @@ def _norm_outputs(name, layer=None):
 def test_a_fake_mixed_type_norm_keeps_the_statistics_the_cpu_kernel_keeps(name, layer):
     # A bf16 LayerNorm with float32 parameters keeps float32 mean and rstd on CPU; its fake kernel returned bf16.
     assert _norm_outputs(name, layer) == _norm_outputs(name)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_bf16_layer_norm_keeps_float_statistics_on_cuda_only(cuda):
+    # With bf16 parameters the CPU kernel keeps bf16 statistics (as the fake one), CUDA's its float accumulation type.
+    mode = FakeTensorMode()
+    with mode, KernelLayouts(cuda=cuda):
+        x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+        _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [8], w, w, 1e-5)
+    ones = torch.ones(8, dtype=torch.bfloat16)
+    _, real_mean, _ = torch.ops.aten.native_layer_norm.default(torch.randn(4, 8).bfloat16(), [8], ones, ones, 1e-5)
+    assert real_mean.dtype == torch.bfloat16  # the CPU kernel
+    assert mean.dtype == rstd.dtype == (torch.float32 if cuda else torch.bfloat16)

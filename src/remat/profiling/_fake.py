@@ -151,7 +151,7 @@ def _trace(
     """``later``: the policy traced last and only if its test, asked of what was traced before it, says so
     (NOTE [A policy traced only when wanted])."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    shadows = ValueShadows(layouts=True)  # NOTE [Output layouts of the device's kernels]
+    shadows = ValueShadows(layouts=True, cuda=target.cuda is not None)  # NOTE [Output layouts of the device's kernels]
 
     def fake_input(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):

@@ -35,9 +35,10 @@ twice the bytes of the input-dtype statistics their fake implementations return,
 forward saves them for backward. A bf16 MLP under CPU autocast was predicted 256 bytes
 low per LayerNorm, and auto's fake floor was refused by a real step. So in a fake run
 these ops return those statistics in float32 (CPU measured in
-``tests/profiling/test_kernel_layouts.py``; CUDA's LayerNorm keeps them in its float
-accumulation type whatever the input, which a fake profile for a CUDA target does not
-yet model where the norm's parameters are low-precision too). GroupNorm does the same on
+``tests/profiling/test_kernel_layouts.py``). CUDA's LayerNorm keeps them in its float
+accumulation type whatever the parameters (``RowwiseMomentsCUDAKernel<T, T_ACC>`` writes
+``T_ACC`` statistics): a fake profile for a CUDA target gives a bf16 model's LayerNorms
+float32 statistics too (read from the kernel's source, not yet measured on a GPU). GroupNorm does the same on
 CPU, but its fake backward computes in its statistics' dtype and would return a float32
 gradient where the kernel returns bf16, so its statistics are left as the fake kernel
 gives them (16 bytes per group and sample low).
@@ -122,8 +123,12 @@ def _on_unreduced_storage(func: Any, args: tuple, kwargs: dict, out: Any) -> Any
     return kept.resize_(())
 
 
-def _float_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    """``out`` with its statistics in float32 where the op mixes a low-precision input with float32 parameters."""
+_CUDA_FLOAT_STATISTICS = _overloads("native_layer_norm")
+
+
+def _float_statistics(func: Any, args: tuple, kwargs: dict, out: Any, cuda: bool) -> Any:
+    """``out`` with its statistics in float32 where the op mixes a low-precision input with float32 parameters, or
+    (``cuda``) where CUDA's kernel accumulates a low-precision input in float32 anyway."""
     source = _argument(func, args, kwargs, "input")
     if not isinstance(source, torch.Tensor) or source.dtype not in _LOW or not isinstance(out, tuple):
         return out
@@ -131,7 +136,9 @@ def _float_statistics(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         isinstance(p, torch.Tensor) and p.dtype == torch.float32
         for p in (_argument(func, args, kwargs, name) for name in _PARAMETERS)
     )
-    if not mixed or len(out) < 3 or not all(isinstance(t, torch.Tensor) for t in out[1:3]):
+    if not (mixed or (cuda and func in _CUDA_FLOAT_STATISTICS)):
+        return out
+    if len(out) < 3 or not all(isinstance(t, torch.Tensor) for t in out[1:3]):
         return out
     stats = tuple(t if t.dtype == torch.float32 else t.new_empty(t.shape, dtype=torch.float32) for t in out[1:3])
     return (out[0], *stats, *out[3:])
@@ -144,13 +151,14 @@ def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
     return None
 
 
-def laid_out(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    """``out`` of ``func`` with its first output laid out as the device's kernels lay it out (``out`` itself when
-    it already is, or ``func`` is not in ``RELAID``); run with the modes below the caller's active."""
+def laid_out(func: Any, args: tuple, kwargs: dict, out: Any, *, cuda: bool = False) -> Any:
+    """``out`` of ``func`` with its outputs laid out as the device's kernels lay them out (``out`` itself when they
+    already are, or ``func`` is not in ``RELAID``); ``cuda``: CUDA's kernels. Run with the modes below the caller's
+    active."""
     if func in REDUCED_IN_PLACE:
         return _on_unreduced_storage(func, args, kwargs, out)
     if func in MIXED_STATISTICS:
-        out = _float_statistics(func, args, kwargs, out)
+        out = _float_statistics(func, args, kwargs, out, cuda)
     if func not in SUGGESTED_FORMAT:
         return out
     source = _input_of(func, args, kwargs)
@@ -169,6 +177,10 @@ class KernelLayouts(TorchDispatchMode):
     does the same inside its value shadows' layer (``ValueShadows(layouts=True)``): each dispatch layer costs
     every op of the step."""
 
+    def __init__(self, *, cuda: bool = False) -> None:
+        super().__init__()
+        self.cuda = cuda
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        return laid_out(func, args, kwargs, func(*args, **kwargs))
+        return laid_out(func, args, kwargs, func(*args, **kwargs), cuda=self.cuda)

@@ -83,12 +83,13 @@ def _inert(func: Any) -> bool:
 class ValueShadows(TorchDispatchMode):
     """Real twins of small fake tensors (see NOTE [Value shadows])."""
 
-    def __init__(self, limit: int = 1 << 20, *, layouts: bool = False) -> None:
-        """``layouts``: also lay out outputs as the device's kernels do, as ``KernelLayouts`` stacked above this
-        mode would (NOTE [Output layouts of the device's kernels]), in this one dispatch layer."""
+    def __init__(self, limit: int = 1 << 20, *, layouts: bool = False, cuda: bool = False) -> None:
+        """``layouts``: also lay out outputs as the device's kernels do (CUDA's with ``cuda``), as ``KernelLayouts``
+        stacked above this mode would (NOTE [Output layouts of the device's kernels]), in this one dispatch layer."""
         super().__init__()
         self.limit = limit
         self.layouts = layouts
+        self.cuda = cuda
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.draws = Draws()
 
@@ -166,7 +167,7 @@ class ValueShadows(TorchDispatchMode):
         """``laid_out``'s output, each output it replaced given its twin laid out alike: the ``clone`` (or the
         float32 copy) it stands for would run through this mode under a ``KernelLayouts`` above, which shadows it as
         any op, so its twin is that clone."""
-        laid = laid_out(func, args, kwargs, out)
+        laid = laid_out(func, args, kwargs, out, cuda=self.cuda)
         if laid is out:
             return out
         pairs = zip(out, laid) if isinstance(out, tuple) else [(out, laid)]
