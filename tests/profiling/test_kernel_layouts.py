@@ -216,6 +216,8 @@ _LOW_X = (4, 6, 5)
 NORMS = {
     "layer_norm": lambda x, p: F.layer_norm(x, (5,), p(5), p(5)),
     "layer_norm without parameters": lambda x, p: F.layer_norm(x, (5,)),
+    "group_norm": lambda x, p: F.group_norm(x, 2, p(6), p(6)),
+    "group_norm weight only": lambda x, p: F.group_norm(x, 3, p(6)),
     "batch_norm training": lambda x, p: F.batch_norm(x, p(6).detach(), p(6).detach() + 1, p(6), p(6), training=True),
     "batch_norm eval": lambda x, p: F.batch_norm(x, p(6).detach(), p(6).detach() + 1, p(6), p(6), training=False),
     "batch_norm no statistics": lambda x, p: F.batch_norm(x, None, None, p(6), p(6), training=True),

@@ -28,20 +28,19 @@ storage of the unreduced size, as the kernels do (measured on CPU against a real
 ``tests/profiling/test_kernel_layouts.py``; read from ATen's code, shared with CUDA).
 
 NOTE [Mixed-type norms keep float statistics]
-LayerNorm and BatchNorm on a bfloat16 or float16 input with a float32 parameter or
-running statistic (a low-precision activation through an fp32 norm, as
-CPU autocast runs it) compute and return their mean and inverse deviation in float32:
-twice the bytes of the input-dtype statistics their fake implementations return, and the
+LayerNorm, GroupNorm and BatchNorm on a bfloat16 or float16 input with a float32
+parameter or running statistic (a low-precision activation through an fp32 norm, as CPU
+autocast runs it) compute and return their mean and inverse deviation in float32: twice
+the bytes of the input-dtype statistics their fake implementations return, and the
 forward saves them for backward. A bf16 MLP under CPU autocast was predicted 256 bytes
 low per LayerNorm, and auto's fake floor was refused by a real step. So in a fake run
-these ops return those statistics in float32 (CPU measured in
-``tests/profiling/test_kernel_layouts.py``). CUDA's LayerNorm keeps them in its float
-accumulation type whatever the parameters (``RowwiseMomentsCUDAKernel<T, T_ACC>`` writes
-``T_ACC`` statistics): a fake profile for a CUDA target gives a bf16 model's LayerNorms
-float32 statistics too (read from the kernel's source, not yet measured on a GPU). GroupNorm does the same on
-CPU, but its fake backward computes in its statistics' dtype and would return a float32
-gradient where the kernel returns bf16, so its statistics are left as the fake kernel
-gives them (16 bytes per group and sample low).
+these ops return those statistics in float32, and GroupNorm's fake backward, which
+computes in its statistics' dtype, returns its input gradient in the input's dtype as the
+kernel does (CPU measured in ``tests/profiling/test_kernel_layouts.py``). CUDA's LayerNorm
+keeps them in its float accumulation type whatever the parameters
+(``RowwiseMomentsCUDAKernel<T, T_ACC>`` writes ``T_ACC`` statistics): a fake profile for a
+CUDA target gives a bf16 model's LayerNorms float32 statistics too (read from the kernel's
+source, not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -91,6 +90,7 @@ REDUCED_IN_PLACE = _overloads("mse_loss", "smooth_l1_loss", "binary_cross_entrop
 #: norms keep float statistics]); outputs 1 and 2 are the statistics.
 MIXED_STATISTICS = _overloads(
     "native_layer_norm",
+    "native_group_norm",
     "native_batch_norm",
     "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training",
@@ -99,9 +99,6 @@ MIXED_STATISTICS = _overloads(
 )
 _LOW = (torch.bfloat16, torch.float16)
 _PARAMETERS = ("weight", "bias", "running_mean", "running_var")
-
-#: The ops whose outputs ``laid_out`` may replace.
-RELAID = SUGGESTED_FORMAT | REDUCED_IN_PLACE | MIXED_STATISTICS
 
 
 def _argument(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
@@ -124,6 +121,11 @@ def _on_unreduced_storage(func: Any, args: tuple, kwargs: dict, out: Any) -> Any
 
 
 _CUDA_FLOAT_STATISTICS = _overloads("native_layer_norm")
+#: Backwards whose fake implementation computes in its statistics' dtype, where the kernel returns the input's.
+_GRADIENT_IN_INPUT_DTYPE = _overloads("native_group_norm_backward")
+
+#: The ops whose outputs ``laid_out`` may replace.
+RELAID = SUGGESTED_FORMAT | REDUCED_IN_PLACE | MIXED_STATISTICS | _GRADIENT_IN_INPUT_DTYPE
 
 
 def _float_statistics(func: Any, args: tuple, kwargs: dict, out: Any, cuda: bool) -> Any:
@@ -159,6 +161,11 @@ def laid_out(func: Any, args: tuple, kwargs: dict, out: Any, *, cuda: bool = Fal
         return _on_unreduced_storage(func, args, kwargs, out)
     if func in MIXED_STATISTICS:
         out = _float_statistics(func, args, kwargs, out, cuda)
+    if func in _GRADIENT_IN_INPUT_DTYPE:
+        source = _argument(func, args, kwargs, "input")
+        first = out[0] if isinstance(out, tuple) else None
+        if isinstance(source, torch.Tensor) and isinstance(first, torch.Tensor) and first.dtype != source.dtype:
+            out = (first.to(source.dtype), *out[1:])
     if func not in SUGGESTED_FORMAT:
         return out
     source = _input_of(func, args, kwargs)
