@@ -275,3 +275,33 @@ def test_a_bf16_layer_norm_keeps_float_statistics_on_cuda_only(cuda):
     _, real_mean, _ = torch.ops.aten.native_layer_norm.default(torch.randn(4, 8).bfloat16(), [8], ones, ones, 1e-5)
     assert real_mean.dtype == torch.bfloat16  # the CPU kernel
     assert mean.dtype == rstd.dtype == (torch.float32 if cuda else torch.bfloat16)
+
+
+# --- the same rules against CUDA's kernels (run by #31's GPU session; skipped without CUDA) -----------------------
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@_CUDA
+@pytest.mark.parametrize("name", [n for n in LOSSES if "beta 0" not in n])
+def test_a_cuda_loss_keeps_the_storage_a_fake_run_for_cuda_gives(name):
+    x, t = torch.randn(4, 6, 5, device="cuda", requires_grad=True), torch.randn(4, 6, 5, device="cuda")
+    real = LOSSES[name](x, t).untyped_storage().nbytes()
+    assert _loss_storage(name, lambda: KernelLayouts(cuda=True)) == real
+
+
+@_CUDA
+@pytest.mark.parametrize("parameters", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["layer_norm", "group_norm", "batch_norm training"])
+def test_cuda_norm_statistics_have_the_dtype_a_fake_run_for_cuda_gives(norm, parameters):
+    x = torch.randn(*_LOW_X, device="cuda").bfloat16()
+    real = NORMS[norm](x, lambda n: torch.rand(n, device="cuda", dtype=parameters))
+    mode = FakeTensorMode()
+    with mode, KernelLayouts(cuda=True), _Dtypes() as seen:
+        NORMS[norm](mode.from_tensor(x.cpu()), lambda n: torch.rand(n, dtype=parameters))
+    fake_stats = next(out for out in seen.seen if len(out) >= 3)[1:3]
+    with _Dtypes() as cuda_seen:
+        NORMS[norm](x, lambda n: torch.rand(n, device="cuda", dtype=parameters))
+    cuda_stats = next(out for out in cuda_seen.seen if len(out) >= 3)[1:3]
+    assert real.dtype == torch.bfloat16
+    assert [dtype for dtype, _ in fake_stats] == [dtype for dtype, _ in cuda_stats]
