@@ -295,13 +295,12 @@ def test_a_cuda_loss_keeps_the_storage_a_fake_run_for_cuda_gives(name):
 @pytest.mark.parametrize("norm", ["layer_norm", "group_norm", "batch_norm training"])
 def test_cuda_norm_statistics_have_the_dtype_a_fake_run_for_cuda_gives(norm, parameters):
     x = torch.randn(*_LOW_X, device="cuda").bfloat16()
-    real = NORMS[norm](x, lambda n: torch.rand(n, device="cuda", dtype=parameters))
+    with _Dtypes() as cuda_seen:
+        real = NORMS[norm](x, lambda n: torch.rand(n, device="cuda", dtype=parameters))
+    cuda_stats = next(out for out in cuda_seen.seen if len(out) >= 3)[1:3]
     mode = FakeTensorMode()
     with mode, KernelLayouts(cuda=True), _Dtypes() as seen:
         NORMS[norm](mode.from_tensor(x.cpu()), lambda n: torch.rand(n, dtype=parameters))
     fake_stats = next(out for out in seen.seen if len(out) >= 3)[1:3]
-    with _Dtypes() as cuda_seen:
-        NORMS[norm](x, lambda n: torch.rand(n, device="cuda", dtype=parameters))
-    cuda_stats = next(out for out in cuda_seen.seen if len(out) >= 3)[1:3]
     assert real.dtype == torch.bfloat16
     assert [dtype for dtype, _ in fake_stats] == [dtype for dtype, _ in cuda_stats]

@@ -305,12 +305,20 @@ def _selective_contexts(policy_fn: Callable[..., Any], replay_rng: bool, options
     return forward, Stacked(written, recompute, ReplayContext(ledger)) if replay_rng else Stacked(written, recompute)
 
 
-def policy_contexts(policy_fn: Callable[..., Any] | None, replay_rng: bool, options: CallOptions) -> tuple[Any, Any]:
-    """The forward and recompute contexts of a policy, a torch user's own ``context_fn`` inside them."""
+def policy_contexts(
+    policy_fn: Callable[..., Any] | None, replay_rng: bool, options: CallOptions, *, ledger: bool = True
+) -> tuple[Any, Any]:
+    """The forward and recompute contexts of a policy, a torch user's own ``context_fn`` inside them. Without
+    ``ledger``, a selective policy is torch's own selective checkpoint, with none of remat's contexts around it
+    (NOTE [Under torch.func transforms] in remat.core._functorch)."""
     fwd: Any
     rec: Any
     if policy_fn is None:
         fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+    elif not ledger:
+        fwd, rec = create_selective_checkpoint_contexts(
+            policy_fn, allow_cache_entry_mutation=options.allow_cache_entry_mutation
+        )
     else:
         fwd, rec = _selective_contexts(policy_fn, replay_rng, options)
     if options.contexts is not None:  # a torch user's own context_fn (remat.core._torch_options)

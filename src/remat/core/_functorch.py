@@ -19,16 +19,14 @@ refused by ``vmap`` itself. Under a transform that differentiates, the call rais
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from remat.core._contexts import Stacked
+from remat.core._contexts import policy_contexts
 from remat.core._torch_options import CallOptions
 from remat.errors import TransformError
 
@@ -68,22 +66,8 @@ def run_under_transform(
         *args,
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
-        context_fn=functools.partial(_contexts, policy_fn, options),
+        # torch's own selective checkpoint: remat's random-stream ledger reads generator states, which a transform
+        # wraps (NOTE in remat.core._rng); remat's policies recompute random ops rather than keep them.
+        context_fn=functools.partial(policy_contexts, policy_fn, preserve_rng_state, options, ledger=False),
         **options.torch_kwargs(),
     )
-
-
-def _contexts(policy_fn: Callable[..., Any] | None, options: CallOptions) -> tuple[Any, Any]:
-    # torch's own selective checkpoint: remat's random-stream ledger reads generator states, which a
-    # transform wraps (NOTE in remat.core._rng). Random ops are recomputed, not kept, by remat's policies.
-    fwd: Any
-    rec: Any
-    if policy_fn is None:
-        fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-    else:
-        fwd, rec = create_selective_checkpoint_contexts(
-            policy_fn, allow_cache_entry_mutation=options.allow_cache_entry_mutation
-        )
-    if options.contexts is not None:
-        fwd, rec = Stacked(fwd, options.contexts[0]), Stacked(rec, options.contexts[1])
-    return fwd, rec

@@ -147,10 +147,7 @@ def _float_statistics(func: Any, args: tuple, kwargs: dict, out: Any, cuda: bool
 
 
 def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "input":
-            return args[i] if i < len(args) else kwargs.get("input")
-    return None
+    return _argument(func, args, kwargs, "input")
 
 
 def laid_out(func: Any, args: tuple, kwargs: dict, out: Any, *, cuda: bool = False) -> Any:
