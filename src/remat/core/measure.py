@@ -29,7 +29,7 @@ from remat.core._compiled import eager_module
 from remat.core._costs import spent
 from remat.core._hf import every_layer_runs
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
-from remat.core._memtrack import StorageTracker, allocator_peak, storage_bytes
+from remat.core._memtrack import StorageTracker, allocator_peak, collections_paused, storage_bytes
 from remat.core._state import capture, restoring
 from remat.core._step import InputGrads, input_grads, input_tensors, trainable_parameters, training_step
 from remat.core._typing import Inputs, LossFn
@@ -130,7 +130,8 @@ def _peak(
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         resting = torch.cuda.memory_allocated(device)
-        loss = step()
+        with collections_paused():  # NOTE [Cyclic garbage during a counted step]
+            loss = step()
         _sync(device)
         return torch.cuda.max_memory_allocated(device), resting, float(loss)
     known = resting_tensors(model, inputs, loop)
