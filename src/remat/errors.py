@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointError
 
 __all__ = [
     "CheckpointOptionError",
+    "HostDrawError",
     "OutOfMemory",
     "RandomBranchWarning",
     "RecomputeError",
@@ -49,6 +50,11 @@ class CheckpointOptionError(RematError, ValueError):
 class TransformError(RematError, RuntimeError):
     """A checkpointed call inside a ``torch.func`` transform that differentiates (``grad``, ``vjp``,
     ``jacrev``, ``hessian``), where torch's checkpoint cannot run either; a ``RuntimeError``, as torch's is."""
+
+
+class HostDrawError(RematError, RuntimeError):
+    """A checkpointed call drew from Python's or NumPy's generator where its first call did not, so its
+    recomputation could not draw the same numbers (NOTE [Host generators in recomputation])."""
 
 
 class OutOfMemory(RematError, torch.OutOfMemoryError):

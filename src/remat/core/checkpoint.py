@@ -125,7 +125,7 @@ def _run_checkpointed(
             recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
     learned, remember = learned_memo(fn)
     region = Region(args, kwargs, learned, owner)
-    host = HostDraws(*learned_memo(fn, HOST_DRAWS)) if preserve_rng_state else None
+    host = HostDraws(*learned_memo(fn, HOST_DRAWS), fn) if preserve_rng_state else None
     caches = CacheCopies.of(args, kwargs)  # NOTE [Caches in recomputation] in remat.core._caches
     policy_fn = policy_function(policy)
     phase = {"forward": True}
@@ -184,12 +184,16 @@ def _run_checkpointed(
     return out
 
 
+def _name_of(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
 _SAC_ONCE = ("Trying to backward an extra time", "encountered during backward but not found in storage")
 
 
 def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception) -> RecomputeError:
     """What to tell when ``fn`` failed while rerun in backward."""
-    name = getattr(fn, "__qualname__", type(fn).__name__)
+    name = _name_of(fn)
     again = region.recomputations > 1 or not region.forward_done
     if (
         policy_function(policy) is not None
