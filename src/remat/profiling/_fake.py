@@ -287,7 +287,9 @@ def run_fake_profile(
                 )
             return profile_of(run)
         except DataDependentOutputException as exc:
+            where = getattr(exc, "where", None)
             raise RematError(
-                f"remat.profile(fake=True): the model's forward depends on tensor values ({exc}), which fake "
-                "tensors do not have; profile it on real tensors (with a smaller batch) instead."
+                f"remat.profile(fake=True): the model's forward reads a tensor's value"
+                f"{f' at {where}' if where else ''} ({exc}), which fake tensors do not have; profile it on real "
+                "tensors (with a smaller batch) instead."
             ) from None

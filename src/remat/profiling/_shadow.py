@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
@@ -139,7 +140,12 @@ class ValueShadows(TorchDispatchMode):
                 return func(*real_args, **real_kwargs)
         if self.draws.reads_a_draw(func, args, kwargs):
             raise RandomBranch(where_in_the_model())
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException as exc:  # where the model reads a value no shadow knows, for the message
+            if not hasattr(exc, "where"):
+                exc.where = where_in_the_model()  # type: ignore[attr-defined]
+            raise
         self.draws.note(func, args, kwargs, out)
         outs = op_tensors(out)
         device = kwargs.get("device")
