@@ -383,3 +383,33 @@ def test_a_step_within_the_budget_that_runs_out_beside_the_snapshot_says_what_sa
     assert device.peak <= budget
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
     assert not optimizer.state and not any("forward" in m.__dict__ for m in model.modules())
+
+
+class _ChecksItsVariance(nn.Module):
+    """A Gaussian likelihood head: ``gaussian_nll_loss`` checks the variance's values, which fake tensors lack."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(4))
+        self.head = nn.Linear(64, 2)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = x + block(x)
+        mean, log_var = self.head(x).unbind(-1)
+        return nn.functional.gaussian_nll_loss(mean, y, log_var.exp())
+
+
+def test_a_model_fake_tensors_cannot_run_on_a_device_it_does_not_fit_is_told_why():
+    torch.manual_seed(0)
+    model, inputs = _ChecksItsVariance(), (torch.randn(256, 64), torch.randn(256))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    keep = remat.measure(model, inputs, lambda loss: loss, warmup=0, repeat=1).peak_bytes
+    device = SimulatedDevice(int(0.8 * keep), resting(model, inputs))
+    with device, pytest.raises(remat.errors.OutOfMemory) as err:
+        remat.auto(model, inputs, int(0.7 * keep), loss_fn=lambda loss: loss, repeat=1, warmup=0)
+    message = str(err.value)
+    assert "fake tensors cannot run this model" in message and "reads a tensor's value at" in message
+    assert "call remat.auto" not in message  # not the advice that sent the user here
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and not any(remat.is_wrapped(m) for m in model.modules())

@@ -304,3 +304,41 @@ def test_cuda_norm_statistics_have_the_dtype_a_fake_run_for_cuda_gives(norm, par
     fake_stats = next(out for out in seen.seen if len(out) >= 3)[1:3]
     assert real.dtype == torch.bfloat16
     assert [dtype for dtype, _ in fake_stats] == [dtype for dtype, _ in cuda_stats]
+
+
+# --- NOTE [Grouped matmuls in float32] ------------------------------------------------------------------------
+
+_OFFS = torch.tensor([8, 16, 24], dtype=torch.int32)
+#: The four forms of torch._grouped_mm: (mat_a, mat_b) shapes, offsets where a side is 2-d.
+GROUPED = {
+    "2d x 3d (tokens by experts)": ((24, 8), (3, 8, 16), _OFFS),
+    "3d x 2d": ((3, 8, 8), (8, 24), _OFFS),
+    "2d x 2d (weight gradient)": ((8, 24), (24, 16), _OFFS),
+    "3d x 3d": ((3, 8, 8), (3, 8, 16), None),
+}
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no torch._grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", list(GROUPED))
+@pytest.mark.parametrize("layer", [KernelLayouts, lambda: ValueShadows(layouts=True)], ids=["layouts", "shadows"])
+def test_a_fake_grouped_mm_in_a_type_the_cpu_kernel_runs_is_its_output(layer, form, dtype):
+    a_shape, b_shape, offs = GROUPED[form]
+    a, b = torch.randn(a_shape, dtype=dtype), torch.randn(b_shape, dtype=dtype)
+    real = torch._grouped_mm(a, b, offs)
+    mode = FakeTensorMode()
+    fa, fb = mode.from_tensor(a), mode.from_tensor(b)
+    fo = mode.from_tensor(offs) if offs is not None else None
+    with mode, layer():
+        fake = torch._grouped_mm(fa, fb, fo)
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    assert fake.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+
+
+def test_a_fake_grouped_mm_for_cuda_keeps_the_meta_kernels_check():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("no torch._grouped_mm")
+    mode = FakeTensorMode()
+    a, b = mode.from_tensor(torch.randn(24, 8)), mode.from_tensor(torch.randn(3, 8, 16))
+    with mode, KernelLayouts(cuda=True), pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(a, b, mode.from_tensor(_OFFS))

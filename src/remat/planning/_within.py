@@ -36,7 +36,7 @@ from torch import nn
 
 from remat.core._memtrack import empty_device_cache
 from remat.core.measure import device_of
-from remat.errors import RematError
+from remat.errors import OutOfMemory, RematError
 from remat.planning._verify_step import out_of_memory_reason
 from remat.planning.plan import parse_budget
 from remat.profiling._format import human_bytes
@@ -116,7 +116,7 @@ def profile_within(
         fake = _beside_the_model(run(fake_run), model, inputs)
     except RematError as exc:
         log.info("%s: fake tensors cannot run this model (%s): profiled on real tensors.", api, exc)
-        return Within(run(options))
+        return Within(_real_profile(run, options, api, exc))
     peak = (counted(fake) if counted is not None else fake).baseline_peak_bytes
     limit = parse_budget(budget, peak)
     if agreed(peak > limit):
@@ -135,6 +135,22 @@ def profile_within(
     empty_device_cache()
     log.warning("%s: the real profile ran out of device memory (%s): planned on fake tensors.", api, reason)
     return Within(fake, RAN_OUT, limit)
+
+
+def _real_profile(
+    run: Callable[[dict[str, Any]], Profile], options: dict[str, Any], api: str, why: RematError
+) -> Profile:
+    """The real profile made because fake tensors cannot run the model (``why``); its out-of-memory error says so,
+    where the generic one would send the user back to the fake profile that failed."""
+    try:
+        return run(options)
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(
+            f"{api}: fake tensors cannot run this model, so it was profiled on real tensors, and the step without "
+            f"checkpointing ran out of device memory ({out_of_memory_reason(exc)}). The model was restored. Why fake "
+            f"tensors cannot: {why} Lower the batch size until that step fits, or keep that part of the forward "
+            "from reading tensor values while remat plans."
+        ) from exc
 
 
 # NOTE [Memory beside the model on the GPU]

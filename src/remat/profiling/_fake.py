@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from remat.core._costs import spent
@@ -55,10 +55,29 @@ from remat.profiling._types import Profile
 from remat.profiling._workspace import Workspace
 from remat.profiling.targets import Target
 
+#: What a fake step cannot run: a value read into Python, an output sized by values.
+_VALUE_READS = (DataDependentOutputException, DynamicOutputShapeException)
+
 
 def fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     with mode:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def fake_on_shared_storage(mode: FakeTensorMode, t: torch.Tensor, bases: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A fake twin of input ``t`` on a fake storage of its storage's size, one per real storage in ``bases``: inputs
+    that share a storage (``labels=input_ids``, views of one batch) share one, as they are counted on the device."""
+    if type(t) is not torch.Tensor or t.device.type == "meta":
+        return fake_like(mode, t)
+    storage = t.untyped_storage()
+    base = bases.get(storage.data_ptr()) if storage.data_ptr() else None
+    if base is None or base.dtype != t.dtype or storage.nbytes() % t.element_size():
+        with mode:
+            base = torch.empty(storage.nbytes() // t.element_size(), dtype=t.dtype, device="cpu")
+        if storage.data_ptr():
+            bases[storage.data_ptr()] = base
+    with mode:
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 class FakeWeights:
@@ -153,12 +172,14 @@ def _trace(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows(layouts=True, cuda=target.cuda is not None)  # NOTE [Output layouts of the device's kernels]
 
+    bases: dict[int, torch.Tensor] = {}
+
     def fake_input(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         # Its gradient is the step's memory too (NOTE [Each step's inputs are fresh] in remat.core._step):
         # a leaf's is kept to the end of the step, a non-leaf's (here a view) used and freed.
-        fake = fake_like(mode, t).requires_grad_(t.requires_grad)
+        fake = fake_on_shared_storage(mode, t, bases).requires_grad_(t.requires_grad)
         if t.is_leaf and t.grad is not None:
             fake.grad = fake_like(mode, t.grad)
         elif not t.is_leaf:
@@ -277,7 +298,7 @@ def run_fake_profile(
         try:
             try:
                 run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=True, loop=loop, later=later)
-            except DataDependentOutputException:
+            except _VALUE_READS:
                 # A value the shadows do not know (computed from weights, say): the library's own
                 # tracing path avoids such branches, at the cost of a mask or copies the GPU never makes.
                 run = _trace(model, inputs, loss_fn, names, policies, target, gpu_path=False, loop=loop, later=later)
@@ -286,10 +307,15 @@ def run_fake_profile(
                     "path (explicit masks, repeated K/V heads), which a GPU step does not take."
                 )
             return profile_of(run)
-        except DataDependentOutputException as exc:
+        except _VALUE_READS as exc:
             where = getattr(exc, "where", None)
+            what = (
+                "makes a tensor whose size depends on tensor values (a mixture-of-experts router picking each "
+                "expert's tokens, say)"
+                if isinstance(exc, DynamicOutputShapeException)
+                else "reads a tensor's value"
+            )
             raise RematError(
-                f"remat.profile(fake=True): the model's forward reads a tensor's value"
-                f"{f' at {where}' if where else ''} ({exc}), which fake tensors do not have; profile it on real "
-                "tensors (with a smaller batch) instead."
+                f"remat.profile(fake=True): the model's forward {what}{f' at {where}' if where else ''} ({exc}), "
+                "which fake tensors do not have; profile it on real tensors (with a smaller batch) instead."
             ) from None

@@ -41,6 +41,15 @@ keeps them in its float accumulation type whatever the parameters
 (``RowwiseMomentsCUDAKernel<T, T_ACC>`` writes ``T_ACC`` statistics): a fake profile for a
 CUDA target gives a bf16 model's LayerNorms float32 statistics too (read from the kernel's
 source, not yet measured on a GPU).
+
+NOTE [Grouped matmuls in float32]
+Mixture-of-experts layers in transformers 5 run their experts with ``torch._grouped_mm``
+where the device has it. Its meta kernel checks what CUDA's kernel accepts (bfloat16
+inputs); the CPU kernel runs float32 and float16 too, so a float32 Mixtral or OLMoE failed in a fake
+profile ("Expected inputs of BF16 type") while its real step ran. For a CPU target a fake
+run gives ``_grouped_mm`` on those types the output the CPU kernel allocates: a new
+contiguous tensor of the output shape, in ``out_dtype`` or the input's type. For a CUDA
+target the meta kernel's check stands: it implements the CUDA kernel's checks.
 """
 
 from __future__ import annotations
@@ -98,6 +107,10 @@ MIXED_STATISTICS = _overloads(
     "_batch_norm_no_update",
 )
 _LOW = (torch.bfloat16, torch.float16)
+#: NOTE [Grouped matmuls in float32].
+GROUPED_MM = _overloads("_grouped_mm")
+#: The types the CPU kernel of ``_grouped_mm`` runs beside bfloat16, which its meta kernel refuses.
+_GROUPED_MM_CPU_ONLY = (torch.float32, torch.float16)
 _PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 
 
@@ -150,6 +163,35 @@ def _input_of(func: Any, args: tuple, kwargs: dict) -> Any:
     return _argument(func, args, kwargs, "input")
 
 
+def _grouped_mm_output(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """What the CPU kernel of ``_grouped_mm`` allocates: 2-d by 3-d (tokens by experts' weights) gives
+    tokens x out, 3-d by 2-d the same from the other side, 2-d by 2-d (offsets along the contraction,
+    the weights' gradient) one matrix per group, 3-d by 3-d a batched product."""
+    a, b = _argument(func, args, kwargs, "self"), _argument(func, args, kwargs, "mat2")
+    offs = _argument(func, args, kwargs, "offs")
+    shape: tuple[int, ...]
+    if a.dim() == 2 and b.dim() == 2:
+        shape = (offs.shape[0], a.shape[0], b.shape[1])
+    elif a.dim() == 2:
+        shape = (a.shape[0], b.shape[-1])
+    elif b.dim() == 2:
+        shape = (a.shape[1], b.shape[1])
+    else:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    dtype = _argument(func, args, kwargs, "out_dtype") or a.dtype
+    return torch.empty(shape, dtype=dtype, device=a.device)
+
+
+def kernel_output(func: Any, args: tuple, kwargs: dict, *, cuda: bool = False) -> Any:
+    """``func(*args, **kwargs)`` on fake tensors, or, where its meta kernel refuses what the target's kernel runs,
+    the output that kernel allocates (NOTE [Grouped matmuls in float32])."""
+    if func in GROUPED_MM and not cuda:
+        a = _argument(func, args, kwargs, "self")
+        if isinstance(a, torch.Tensor) and a.dtype in _GROUPED_MM_CPU_ONLY:
+            return _grouped_mm_output(func, args, kwargs)
+    return func(*args, **kwargs)
+
+
 def laid_out(func: Any, args: tuple, kwargs: dict, out: Any, *, cuda: bool = False) -> Any:
     """``out`` of ``func`` with its outputs laid out as the device's kernels lay them out (``out`` itself when they
     already are, or ``func`` is not in ``RELAID``); ``cuda``: CUDA's kernels. Run with the modes below the caller's
@@ -187,4 +229,4 @@ class KernelLayouts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        return laid_out(func, args, kwargs, func(*args, **kwargs), cuda=self.cuda)
+        return laid_out(func, args, kwargs, kernel_output(func, args, kwargs, cuda=self.cuda), cuda=self.cuda)

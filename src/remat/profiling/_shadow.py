@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
@@ -35,7 +35,7 @@ from remat.core._memtrack import op_tensors
 from remat.core._rng import draws_random
 from remat.core._writes import written_tensors
 from remat.errors import RematError
-from remat.profiling._kernel_layouts import RELAID, _input_of, laid_out
+from remat.profiling._kernel_layouts import RELAID, _input_of, kernel_output, laid_out
 from remat.profiling._random_branches import Draws, where_in_the_model
 
 aten = torch.ops.aten
@@ -141,10 +141,10 @@ class ValueShadows(TorchDispatchMode):
         if self.draws.reads_a_draw(func, args, kwargs):
             raise RandomBranch(where_in_the_model())
         try:
-            out = func(*args, **kwargs)
-        except DataDependentOutputException as exc:  # where the model reads a value no shadow knows, for the message
+            out = kernel_output(func, args, kwargs, cuda=self.cuda) if self.layouts else func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:  # where, for the message
             if not hasattr(exc, "where"):
-                exc.where = where_in_the_model()  # type: ignore[attr-defined]
+                exc.where = where_in_the_model()  # type: ignore[union-attr]
             raise
         self.draws.note(func, args, kwargs, out)
         outs = op_tensors(out)
