@@ -1,6 +1,7 @@
 """Restores of the user's state: every one runs whatever stops the step, a Ctrl-C waits for them, and what
 cannot be put back is remat's error, naming it (NOTE [Restores run whatever stops the step])."""
 
+import copy
 import signal
 
 import pytest
@@ -106,3 +107,27 @@ def test_auto_and_profile_leave_numpys_rng_as_it_was_and_verify_a_model_drawing_
         assert plan.checkpointed and plan.measured_peak_bytes <= plan.budget_bytes
         remat.remove(model)
     assert np.array_equal(np.random.get_state()[1], expected)
+
+
+def test_a_buffer_a_step_wrote_into_its_graph_is_a_leaf_again_after_the_restore():
+    # A step that writes a buffer in place from values that require grad (an EMA updated without no_grad, or a
+    # trace that lost its no_grad region) leaves the buffer in that step's graph; restored, it is a plain tensor again.
+    class Averages(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("ema", torch.zeros(8))
+
+        def forward(self, x):
+            y = self.fc(x)
+            self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+            return y
+
+    model = Averages()
+    state = capture(model)
+    model(torch.randn(4, 8)).sum().backward()
+    assert model.ema.grad_fn is not None
+    state.restore()
+    assert model.ema.grad_fn is None and not model.ema.requires_grad
+    assert torch.equal(model.ema, torch.zeros(8))
+    copy.deepcopy(model)  # refused while the buffer was a graph's

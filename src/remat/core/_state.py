@@ -127,6 +127,10 @@ class ModelState:
         saved = self.buffers[name]
         if b is not None and saved is not None:
             b.copy_(saved)
+            if b.grad_fn is not None and b._base is None:
+                # written in place from values that require grad, the buffer joined the step's graph: a later
+                # backward through it would fail ("backward through the graph a second time"), a deepcopy too
+                b.detach_()
 
     def _gone(self) -> list[str]:
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}

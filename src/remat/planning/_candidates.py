@@ -23,6 +23,7 @@ from remat.planning._verify_step import OutOfMemory, Step, measured_step
 from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
 from remat.profiling._format import human_bytes
+from remat.profiling._traced import is_traced_plan
 
 __all__ = ["Candidates", "Findings", "Unreachable"]
 
@@ -146,12 +147,24 @@ class Candidates:
             log.info("%s", err)
             self.tried.append((plan, None))
             return plan, None
+        traced = is_traced_plan(plan.assignment)
         if differ and plan.segments:
+            why = (
+                "(a segment of the traced forward does more than pass its output on: it writes a buffer, say)"
+                if traced
+                else "(the parent does more between the blocks than pass each output on)"
+            )
             return self._one_level(
                 plan,
-                f"Nested segments {_spans(plan)} changed the step's {_what(differ)} "
-                "(the parent does more between the blocks than pass each output on): "
-                "planned one level deep.",
+                f"Nested segments {_spans(plan)} changed the step's {_what(differ)} {why}: planned one level deep.",
+            )
+        if differ and traced:
+            remove(self.model)
+            raise RematError(
+                f"remat.auto: the model's forward, as torch.fx traced it and remat cut it, computed other "
+                f"{_what(differ)} than the model's own forward (first: {differ[0]}; compared with "
+                f"{self.findings.compared()}): the trace misses something the forward does. The model was left "
+                "without checkpointing; pass blocks=[...] with the modules to checkpoint instead."
             )
         if differ:
             blocks = _blocks_of(differ, [b.name for b in self.prof.blocks])
@@ -205,7 +218,10 @@ class Candidates:
             return self.findings.reference
         keep, over = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=()), ""
         below = self.limit is not None and self.prof.baseline_peak_bytes > self.limit
-        if below and self.limit is not None:
+        own = self._own_forward(plan, below) if is_traced_plan(plan.assignment) else None
+        if own is not None:
+            keep, over = own
+        elif below and self.limit is not None:
             floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
             keep = make_plan(self.prof, f"{floor}B", nested=False)
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
@@ -219,6 +235,16 @@ class Candidates:
             )
         self.findings.reference = step.summary
         return step.summary
+
+    def _own_forward(self, plan: Plan, below: bool) -> tuple[Plan, str] | None:
+        """The model's own forward as the reference of a traced plan, on a slice where it is over the budget; None
+        where it cannot be sliced (NOTE [A traced forward is compared with the model's own])."""
+        over = ""
+        if below and self.limit is not None:
+            over = self._slice_for(self.prof.baseline_peak_bytes, self.limit)
+            if self.findings.samples is None:
+                return None
+        return replace(plan, assignment={}, segments=()), over
 
     def _slice_for(self, predicted: int, limit: int) -> str:
         """Compare on a slice of the batch if the reference, predicted at ``predicted``, is over ``limit``

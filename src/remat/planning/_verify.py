@@ -34,6 +34,17 @@ plan can be verified and auto raises. When only nested plans reach the budget it
 over the budget itself, yet a nested segment that computes another function cannot be
 told apart without it: it then runs on a slice of the batch, and so does each plan's
 comparison (NOTE [A reference on a slice of the batch] in remat.planning._sub_batch).
+
+NOTE [A traced forward is compared with the model's own]
+A traced plan's units are segments of the model's forward as torch.fx recorded it, and
+every plan of them, all-keep included, runs that recording. A recording that misses what
+the forward does (an autograd Function's own backward, a no_grad region: refused when
+traced since, NOTE [What a trace must not miss] in remat.profiling._traced_cut) computes
+another function in every plan alike, so comparing plans with the all-keep one found
+nothing: generated models trained with gradients of 0 under a verified plan. So a traced
+plan is compared with the model's class forward, the step without checkpointing; below
+its peak, on a slice of the batch. Only where the batch cannot be sliced is it compared
+with the lowest-peak one-level plan, as a block plan is.
 """
 
 from __future__ import annotations

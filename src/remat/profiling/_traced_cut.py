@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError
 
@@ -48,6 +50,8 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
             model.train(training)
         modes = {m: m.training for m in model.modules()}
         return _traced_with_buffers(model), modes
+    except TracedError:
+        raise
     except fx.proxy.TraceError as exc:
         raise TracedError(
             f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
@@ -64,12 +68,85 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
             m.training = mode
 
 
+# NOTE [What a trace must not miss]
+# torch.fx records the functions a forward calls on proxies, nothing of the state they run in. A
+# ``torch.no_grad()``, ``set_grad_enabled(False)``, ``inference_mode`` or ``torch.autocast`` region in the
+# forward runs at trace time and leaves no node: the recording runs those ops with gradients and without
+# autocast (a statistic under no_grad got a gradient, 22% of a layer's). An autograd Function is traced
+# through into its ``forward``, and its own ``backward`` is lost (a straight-through estimator's
+# ``round`` gave its layers gradients of 0). So the tracer runs with gradients on and autocast off, refuses
+# a node made in any other state (the forward is not traced; its module units stand, or it gets no plan),
+# and records ``Function.apply`` as one call, its backward the Function's own.
+_STATE_CHANGES = "turns gradients off or autocast on in a region (torch.no_grad, set_grad_enabled, autocast)"
+
+
+def _grad_and_autocast() -> tuple[Any, ...]:
+    devices = ("cpu", "cuda")
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        *(torch.is_autocast_enabled(d) for d in devices),
+    )
+
+
 class _BufferTracer(fx.Tracer):
     """fx's tracer with buffers as graph values: by default a buffer a forward reads through ``self`` is the real
     tensor while tracing, so a write to it (BatchNorm's ``num_batches_tracked.add_(1)`` in a subclass fx traces
-    through, as timm's ``BatchNormAct2d``) runs once on the model at trace time and is missing from the trace."""
+    through, as timm's ``BatchNormAct2d``) runs once on the model at trace time and is missing from the trace. It
+    also refuses what a trace would miss (NOTE [What a trace must not miss])."""
 
     proxy_buffer_attributes = True
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with torch.enable_grad(), _autocast_off(), _functions_as_calls(self):
+            self._state = _grad_and_autocast()
+            return super().trace(root, concrete_args)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        if _grad_and_autocast() != self._state:
+            raise TracedError(f"its forward {_STATE_CHANGES}, which torch.fx does not record")
+        return super().create_node(*args, **kwargs)
+
+
+@contextmanager
+def _autocast_off() -> Iterator[None]:
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
+_APPLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _applying(cls: type) -> Callable:
+    """A function calling ``cls.apply``, one per Function class: a target fx's code keeps among its globals (a
+    method of a torch class it would name by an import path ``apply`` does not have)."""
+    call = _APPLY.get(cls)
+    if call is None:
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return cls.apply(*args, **kwargs)  # type: ignore[attr-defined]
+
+        call.__name__ = call.__qualname__ = f"apply_{cls.__name__}"
+        _APPLY[cls] = call
+    return call
+
+
+@contextmanager
+def _functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
+    """``torch.autograd.Function.apply`` on proxies recorded as one call (NOTE [What a trace must not miss])."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+            return tracer.create_proxy("call_function", _applying(cls), args, kwargs)
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    function.apply = classmethod(apply)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
 
 
 def _traced_with_buffers(model: nn.Module) -> fx.GraphModule:

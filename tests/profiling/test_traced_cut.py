@@ -1,0 +1,132 @@
+"""What a traced forward must not miss (NOTE [What a trace must not miss] in ``remat.profiling._traced_cut``), and
+traced plans compared with the model's own forward (NOTE [A traced forward is compared with the model's own])."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from conftest import Untouched, assert_grads_equal, twin
+from torch import nn
+
+import remat
+from remat.profiling import _traced_cut
+from remat.profiling._traced import HOLDER
+from remat.profiling._traced_cut import TracedError, traced
+
+
+class _RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: rounds forward, passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Layers(nn.Module):
+    """Eight linear maps and a tanh after each, in a forward with no submodules (remat cuts it along its trace);
+    ``between`` runs after the fourth."""
+
+    def __init__(self, between=None):
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(32, 32) / 6) for _ in range(8))
+        self.between = between
+
+    def forward(self, x):
+        for i, weight in enumerate(self.weights):
+            x = torch.tanh(x @ weight)
+            if i == 3 and self.between is not None:
+                x = self.between(x)
+        return x
+
+
+def _ste(x):
+    return _RoundSTE.apply(x)
+
+
+def _no_grad_centre(x):
+    with torch.no_grad():
+        mean = x.mean(0, keepdim=True)
+    return x - mean
+
+
+def _grad_off_centre(x):
+    with torch.set_grad_enabled(False):
+        mean = x.mean(0, keepdim=True)
+    return x - mean
+
+
+def _autocast_matmul(x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = x @ x.T @ x
+    return x + 0.01 * y.float()
+
+
+def _inference_scale(x):
+    with torch.inference_mode():
+        scale = x.abs().amax()
+    return x / scale.clone()
+
+
+def _lowish_budget(model, x):
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    return prof, (remat.plan(prof, strategy="none").min_peak_bytes + prof.baseline_peak_bytes) // 2
+
+
+def test_an_autograd_function_is_one_call_of_the_trace_and_keeps_its_backward():
+    torch.manual_seed(0)
+    model, x = _Layers(_ste), torch.randn(64, 32)
+    reference = twin(model)
+    prof, budget = _lowish_budget(model, x)
+    assert all(b.name.startswith(HOLDER + ".") for b in prof.blocks)
+    plan = remat.auto(model, x, budget=budget, repeat=1, warmup=0)
+    try:
+        assert plan.checkpointed
+        model(x).sum().backward()
+        reference(x).sum().backward()
+        assert reference.weights[0].grad.abs().sum() > 0  # the STE passes gradients on
+        assert_grads_equal(reference, model)
+    finally:
+        remat.remove(model)
+
+
+@pytest.mark.parametrize(
+    "between", [_no_grad_centre, _grad_off_centre, _autocast_matmul, _inference_scale], ids=lambda f: f.__name__
+)
+def test_a_forward_that_changes_grad_mode_or_autocast_is_not_traced_and_left_as_it_was(between):
+    torch.manual_seed(0)
+    model, x = _Layers(between), torch.randn(64, 32)
+    reference, untouched = twin(model), Untouched(model)
+    with pytest.raises(TracedError, match="turns gradients off or autocast on"):
+        traced(model, True)
+    for call in (lambda: remat.profile(model, x), lambda: remat.auto(model, x, budget=0.5)):
+        with pytest.raises(remat.RematError, match="cannot cut its traced forward.*turns gradients off"):
+            call()
+        untouched.check()
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(reference, model)
+
+
+def test_a_trace_that_misses_a_function_is_caught_by_verification(monkeypatch):
+    # The tracer of before (Function traced through): every traced plan, all-keep too, trains gradients of 0 in the
+    # first layers; compared with the model's own forward, auto refuses every traced plan instead of applying one.
+    monkeypatch.setattr(_traced_cut, "_functions_as_calls", lambda tracer: contextlib.nullcontext())
+    monkeypatch.setattr(_traced_cut, "_grad_and_autocast", lambda: ())
+    torch.manual_seed(0)
+    model, x = _Layers(_ste), torch.randn(64, 32)
+    reference = twin(model)
+    _, budget = _lowish_budget(model, x)
+    with pytest.raises(remat.RematError, match="the trace misses something the forward does"):
+        remat.auto(model, x, budget=budget, repeat=1, warmup=0)
+    try:
+        model(x).sum().backward()
+        reference(x).sum().backward()
+        assert_grads_equal(reference, model)
+    finally:
+        remat.remove(model)
