@@ -165,6 +165,9 @@ class _Recursion:
         # inside_of[k]: the policies block k may take inside a segment; a writer and the block before it only keep
         self.inside_of = np.tile(self.inside, (n, 1))
         self.inside_of[writes[:-1] | writes[1:]] = np.array([p == KEEP for p in ch.policies])
+        # outside_of[k]: the policies block k may take outside every segment (NOTE [A lone layer is kept one level
+        # deep] in remat.planning._solve)
+        self.outside_of = ch.outside if ch.outside is not None else np.ones((n, self.P), dtype=bool)
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]
@@ -201,6 +204,10 @@ class _Recursion:
         net = up(ch.fwd_delta) + up(ch.bwd_delta) + held
         net[1:] -= down(c.out)[:-1, None] * holds[:-1]
         return np.concatenate([[0], np.cumsum(net.max(axis=1))]), held
+
+    def allowed(self, s: int, top: bool) -> np.ndarray:
+        """[P]: the policies block s may take, outside every segment (``top``) or inside one."""
+        return self.outside_of[s] if top else self.inside_of[s]
 
     def _fill_all(self) -> None:
         n = len(self.c.chain.blocks)
@@ -246,7 +253,7 @@ class _Tables(_Recursion):
         ok = (m[None, :] >= self.FP[s, :, None]) & (
             m[None, :] >= (self.FD[s] + after + self.held[s] + self.BP[s])[:, None]
         )
-        ok &= (self.inside_of[s] | top)[:, None]
+        ok &= self.allowed(s, top)[:, None]
         by_policy = ch.extra_s[s, :, None] + _shift_rows(rest, self.FD[s])
         options = [np.where(ok, by_policy, np.inf)]
         ks = np.arange(s + 2, stop + 1)

@@ -62,7 +62,7 @@ class _Needs(_Recursion):
         after = int(self.csum[stop] - self.csum[s + 1]) + tail_delta
         rest, rest_t = self.need[top][s + 1, e], self.time[top][s + 1, e]
         by_policy = np.maximum.reduce([self.FP[s], self.FD[s] + after + self.held[s] + self.BP[s], self.FD[s] + rest])
-        needs = [np.where(self.inside_of[s] | top, by_policy, _NEVER)]  # NOTE [Selective caches inside a segment]
+        needs = [np.where(self.allowed(s, top), by_policy, _NEVER)]  # NOTE [Selective caches inside a segment]
         times = [self.c.chain.extra_s[s] + rest_t]
         ks = np.arange(s + 2, stop + 1)
         ks = ks[self.span_ok[s, ks]]

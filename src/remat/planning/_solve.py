@@ -14,6 +14,19 @@ finds the plan of least extra time. ``S`` is rounded *up* to a grid of
 ``span / 2**15`` bytes (span: the range of S): the DP never accepts a plan whose true predicted peak
 exceeds the budget, and it misses a better plan only if that plan has less than
 ``n * grid`` bytes of slack (0.6% of the span for 200 blocks).
+
+NOTE [A lone layer is kept one level deep]
+``remat.apply`` refuses to checkpoint a lone single-op torch layer (a Linear, a LayerNorm,
+a Dropout) on its own: its backward keeps its input, which checkpointing it keeps too, so
+the most it frees is the op's own small state (a LayerNorm's mean and rstd), not worth a
+recomputation a user asked for by name. The profile measures those few bytes and a solver
+free to choose would take them: a flat ``Sequential``'s lowest-peak one-level plan
+checkpointed its LayerNorms, a plan apply refused, so ``remat.auto`` could not run the
+step it compares plans with, nor reach the floor it advertised. So the planner follows
+apply's rule: such a block (``BlockProfile.single_op``) takes only ``keep`` one level deep
+(``Chain.outside``), in every solver (this DP, the nested DP's top level, the greedy
+fallback, the uniform and hand-made strategies). Inside a nested segment it may take any
+policy, as apply allows there: the segment recomputes the run of layers around it.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ class Chain:
     pre_peak: int  # most live during that glue
     extra_s: np.ndarray  # [n, P]
     bwd_delta: np.ndarray | None = None  # [n, P] block's backward delta (nested plans, planning/_nested.py)
+    outside: np.ndarray | None = None  # [n, P] policies a block may take one level deep (None: any)
 
 
 class _Casts:
@@ -136,6 +150,7 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
         profile.resting_bytes + top,
         extra,
         bwd_delta,
+        np.array([[p == KEEP or not by_name[b].single_op for p in pols] for b in fwd_blocks]).reshape(n, P),
     )
 
 
@@ -189,6 +204,8 @@ def solve(chain: Chain, budget: float, *, minimise_peak: bool = False) -> tuple[
         for k in range(n):
             candidates = np.full((P, cells), np.inf)
             for j in allowed_last if k == n - 1 else range(P):
+                if chain.outside is not None and not chain.outside[k, j]:
+                    continue  # NOTE [A lone layer is kept one level deep]
                 fwd_top = chain.start + levels + chain.fwd_peak[k, j]
                 bwd_top = (
                     chain.start

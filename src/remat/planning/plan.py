@@ -152,6 +152,13 @@ def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None
 
 
 def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
+    """The hand-made ``strategy``'s plan, its lone layers kept (NOTE [A lone layer is kept one level deep] in
+    remat.planning._solve)."""
+    lone = _lone_layers(profile)
+    return {n: p for n, p in _hand_made(profile, strategy).items() if n not in lone}
+
+
+def _hand_made(profile: Profile, strategy: str) -> dict[str, str]:
     names = [b.name for b in profile.blocks]
     if strategy == "none":
         return {}
@@ -173,6 +180,11 @@ def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
     raise RematError(
         f"remat.plan: unknown strategy {strategy!r}; use 'optimal', 'none', 'all', 'selective', 'sqrt' or 'every:K'."
     )
+
+
+def _lone_layers(profile: Profile) -> set[str]:
+    """The blocks a plan keeps one level deep (NOTE [A lone layer is kept one level deep] in remat.planning._solve)."""
+    return {b.name for b in profile.blocks if b.single_op}
 
 
 def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: int | None, minimum: int) -> Plan:
@@ -197,11 +209,13 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
 def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
     """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
     assignment: dict[str, str] = {}
-    order = list(NAMES)
+    order, lone = list(NAMES), _lone_layers(profile)
     while profile.predict_peak(assignment) > budget:
         current = profile.predict_peak(assignment)
         best = None
         for b in profile.blocks:
+            if b.name in lone:
+                continue
             now = assignment.get(b.name, KEEP)
             for p in order[order.index(now) + 1 :]:
                 if p not in profile.policies:
@@ -228,7 +242,7 @@ def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
 
 def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
-    names = [b.name for b in profile.blocks]
+    names = [b.name for b in profile.blocks if b.name not in _lone_layers(profile)]
     candidates: list[dict[str, str]] = [{}]
     candidates += [{n: p for n in names} for p in NAMES if p != KEEP and p in profile.policies]
     if chain is not None:

@@ -18,6 +18,7 @@ from remat.core._policy_registry import FULL, KEEP, SELECTIVE, SELECTIVE_OPS
 from remat.core._step import trainable_parameters
 from remat.core._timing import extra_time, forward_slowdown
 from remat.core.measure import resting_tensors
+from remat.profiling._blocks import is_single_op_layer
 from remat.profiling._crossing import Crossing, Recompute, swap_excesses
 from remat.profiling._segment import Segment
 from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
@@ -86,7 +87,9 @@ def assemble(
     }
     keep = traced[KEEP]
     params = list(model.parameters())
-    blocks = _block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute)
+    modules = dict(model.named_modules())
+    single_op = {n for n in names if is_single_op_layer(modules.get(n))}
+    blocks = _block_profiles(names, segments, traced, io_bytes, policies, None if fake else recompute, single_op)
     writers = [b.name for b in blocks if b.writes_input]
     if writers:
         notes = [
@@ -252,8 +255,10 @@ def _block_profiles(
     io_bytes: dict[str, tuple[int, int]],
     policies: Sequence[str],
     recompute: dict[str, dict[Key, list[float]]] | None,
+    single_op: set[str],
 ) -> tuple[BlockProfile, ...]:
-    """Per block; ``recompute`` holds measured recompute seconds (None on fake tensors)."""
+    """Per block; ``recompute`` holds measured recompute seconds (None on fake tensors); ``single_op``: the blocks
+    that are lone single-op torch layers."""
     out = []
     by_key = {p: {s.key: s for s in traced[p]} for p in policies}
     keep_segments = by_key[KEEP]
@@ -297,6 +302,7 @@ def _block_profiles(
                 bwd_flops={p: sum(flops[p][k] for k in bwd_keys) for p in policies},
                 calls=len(fwd_keys),
                 writes_input=any(keep_segments[k].writes_input for k in fwd_keys),
+                single_op=name in single_op,
             )
         )
     return tuple(out)

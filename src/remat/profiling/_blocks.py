@@ -11,10 +11,10 @@ unit). In a ``Sequential`` the layers between its units are units too, so the ru
 of units stays a chain the nested planner can cut into segments. A model where no
 level has either (a flat ``Sequential`` of Linear, GELU, ...; a ``ModuleList`` of
 Linears) has the layers of its top-most chain or list as units, one layer each.
-Checkpointing a lone layer alone saves nothing (its own backward keeps its input):
-the profile measures that and the planner keeps it, but in a run of layers it can
-sit inside a nested segment, which is how a flat chain reaches the same floor as
-the chain written in blocks.
+Checkpointing a lone layer alone saves nothing (its own backward keeps its input),
+so the planner keeps it one level deep (NOTE [A lone layer is kept one level deep] in
+``remat.planning._solve``), but in a run of layers it can sit inside a nested segment,
+which is how a flat chain reaches the same floor as the chain written in blocks.
 """
 
 from __future__ import annotations
@@ -168,12 +168,18 @@ _SINGLE_OP_LAYERS = tuple(
 )
 
 
+def is_single_op_layer(module: nn.Module | None) -> bool:
+    """A lone single-op torch layer (a Linear, a LayerNorm, a ReLU): ``remat.apply`` checkpoints it only inside a
+    nested segment, and the planner keeps it one level deep (NOTE [A lone layer is kept one level deep])."""
+    return module is not None and is_leaf(module) and type(module).__module__ in _SINGLE_OP_LAYERS
+
+
 def check_block_modules(model: nn.Module, names: Iterable[str], *, api: str) -> None:
     """A RematError when a block is a lone single-op torch layer (a Linear, a ReLU): checkpointing it saves nothing."""
     modules = dict(model.named_modules())
     for name in names:
         module = modules.get(name)
-        if module is not None and is_leaf(module) and type(module).__module__ in _SINGLE_OP_LAYERS:
+        if is_single_op_layer(module):
             parent = name.rpartition(".")[0]
             raise RematError(
                 f"{api}: block {name!r} is a lone {type(module).__name__}, a single-op torch layer: its own backward "
