@@ -42,6 +42,7 @@ def _needs_cuda(item) -> bool:
 #: marked ``heavy``: they run whole models through profiles, plans and verification.
 _FAST_FILES = {
     "core/test_by_module.py",
+    "core/test_by_module_hooks.py",
     "core/test_checkpoint.py",
     "core/test_conflicts.py",
     "core/test_fingerprint.py",

@@ -21,8 +21,9 @@ of them, returns something other than one tensor that requires grad, or only res
 (views are free). Buffers a region wrote on the first call (BatchNorm's statistics) are
 copied before each forward and swapped in while it recomputes, so they change once per
 step and the recompute sees what the forward saw. A block with no cheap submodule, or
-that is cheap as a whole, stays op-level; so do op lists, policy functions and plain
-functions (no modules to use).
+that is cheap as a whole, stays op-level; so does one that runs its submodules under
+saved-tensor hooks of its own (NOTE [Hooks inside the block]); so do op lists, policy
+functions and plain functions (no modules to use).
 
 Memory: what a region's output is saved for after it (a Linear's weight gradient,
 the MLP's product) is recomputed for them too (NOTE [Outputs recomputed for their
@@ -137,6 +138,21 @@ def _wraps_tensors(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t) for t in leaves)
 
 
+# NOTE [Hooks inside the block]
+# A block that runs a submodule under saved-tensor hooks of its own (a torch checkpoint it calls itself,
+# save_on_cpu) stays op-level: no region is learned in it. A region is saved-tensor hooks around its
+# submodule's forward, there for that forward only. Inside a torch checkpoint, the checkpoint reruns the
+# submodule in backward after the region's hooks are gone, so the rerun saves other tensors than the forward
+# did and torch raises CheckpointError (a block calling torch.utils.checkpoint on its MLP: step 2 by module
+# failed on saved [64, 32], recomputed [32]). Hooks that never rerun (save_on_cpu) would be safe, but remat
+# cannot tell the two apart, and op-level is exact under both. Seen on the learning call: the innermost hooks
+# when a submodule is entered are not those the block's own checkpoint runs under.
+def _innermost_hooks() -> Any:
+    """The innermost saved-tensor hooks (pack, unpack) active now; None: none (or a torch that cannot tell)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 # NOTE [A region never draws]
 # A cheap region reruns in backward with no generator restored (its block is not recomputed, so torch's
 # stash of the RNG state does not cover it): a submodule that drew random numbers must not become one, or
@@ -155,6 +171,9 @@ class StructureRecorder(TorchDispatchMode):
         self.any_heavy = False
         self.subclass = False
         """A submodule took or returned a tensor subclass (NOTE [Tensor subclasses stay op-level])."""
+        self.hooked = False
+        """A submodule ran under saved-tensor hooks the block installed (NOTE [Hooks inside the block])."""
+        self._block_hooks: Any = None
         self._rng: list[tuple[bytes | None, ...]] = []
         """The generators' states when each submodule on the stack was entered (NOTE [A region never draws])."""
         self._hooks: list[Any] = []
@@ -175,6 +194,7 @@ class StructureRecorder(TorchDispatchMode):
     def _enter_module(self, module: nn.Module, args: tuple) -> None:
         seen = self.seen.setdefault(id(module), _Seen(module))
         seen.ancestors.update(id(s.module) for s in self.stack)
+        self.hooked |= _innermost_hooks() != self._block_hooks
         self.stack.append(seen)
         self._rng.append(fingerprint())
 
@@ -200,6 +220,7 @@ class StructureRecorder(TorchDispatchMode):
                     seen.buffers.add((weakref.ref(sub), name))
 
     def __enter__(self) -> StructureRecorder:
+        self._block_hooks = _innermost_hooks()  # the block's own checkpoint's
         # Hooks on the block's own submodules, not global ones (torch.compile warns about those).
         self._hooks = [
             h
@@ -218,9 +239,10 @@ class StructureRecorder(TorchDispatchMode):
         super().__exit__(*exc)
 
     def structure(self) -> Structure:
-        """The outermost cheap submodules (none when the block has none, is cheap as a whole or sees subclasses)."""
+        """The outermost cheap submodules (none when the block has none, is cheap as a whole, sees subclasses or
+        installs saved-tensor hooks)."""
         cheap = {i for i, s in self.seen.items() if s.work and not s.heavy and not s.unfit}
-        if not self.any_heavy or self.subclass:
+        if not self.any_heavy or self.subclass or self.hooked:
             cheap = set()
         outermost = [self.seen[i] for i in cheap if not (self.seen[i].ancestors & cheap)]
         return Structure(
