@@ -38,6 +38,15 @@ class _CopyOnWrite(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _watch(region: Region, module: nn.Module) -> None:
+    """Watch ``module``'s buffers and those its code reads without entering their modules (a traced segment's,
+    NOTE [Buffers a segment reads] in remat.profiling._traced): a nested segment enters the traced units, not
+    the model whose statistics they update."""
+    region.watch_buffers(module)
+    for other in module.__dict__.get(REGION_BUFFER_MODULES, ()):
+        region.watch_buffers(other)
+
+
 class ForwardContext:
     """Entered around the checkpointed forward: watch buffers, keep values before writes.
 
@@ -55,7 +64,7 @@ class ForwardContext:
         learned = self.region.learned
         if learned is None or learned.writes_inputs or self.region.owner is None:
             self._hook = nn.modules.module.register_module_forward_pre_hook(
-                lambda module, _args: self.region.watch_buffers(module)
+                lambda module, _args: _watch(self.region, module)
             )
         else:  # NOTE [Watching only when needed]: no hook on every submodule call
             for ref in learned.buffer_modules:
@@ -66,9 +75,7 @@ class ForwardContext:
             self._mode = _CopyOnWrite(self.region)
             self._mode.__enter__()
         if self.region.owner is not None:
-            self.region.watch_buffers(self.region.owner)
-            for module in self.region.owner.__dict__.get(REGION_BUFFER_MODULES, ()):
-                self.region.watch_buffers(module)
+            _watch(self.region, self.region.owner)
 
     def __exit__(self, exc_type, *exc) -> None:  # noqa: ANN001
         if self._mode is not None:

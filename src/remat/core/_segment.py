@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.core._region import REGION_BUFFER_MODULES
 from remat.core.checkpoint import checkpoint
 from remat.errors import RematError
 
@@ -123,7 +124,9 @@ class _Guest:
 
 def _block_item(module: nn.Module, name: str, names: list[str]) -> Any:
     compute = _compute(module)
-    item = _Entered(module, compute) if any(b is not None for b in module._buffers.values()) else compute
+    # a traced segment owns no buffers but updates the model's (NOTE [Buffers a segment reads] in _traced)
+    writes = any(b is not None for b in module._buffers.values()) or module.__dict__.get(REGION_BUFFER_MODULES)
+    item = _Entered(module, compute) if writes else compute
     return item if name == names[0] else _Guest(item, name, names)
 
 
