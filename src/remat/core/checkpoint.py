@@ -67,6 +67,17 @@ def forget_structure(module: nn.Module) -> None:
             pass
 
 
+def knows_structure(module: nn.Module) -> bool:
+    """Whether ``module``'s next "selective" call takes its learned fast path (True where it is not wrapped so)."""
+    current = module.__dict__.get("forward")
+    if not isinstance(current, _CheckpointedForward) or not (
+        isinstance(current.policy, str) and current.policy == SELECTIVE
+    ):
+        return True
+    structure, _ = learned_memo(current.inner, STRUCTURES)
+    return structure is not None
+
+
 # NOTE [Eager calls under torch.compile]
 # While dynamo traces, a call goes to torch's checkpoint operator instead
 # (NOTE [Under torch.compile] in remat.core._compiled). A call dynamo cannot trace
