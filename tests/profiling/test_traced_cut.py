@@ -130,3 +130,87 @@ def test_a_trace_that_misses_a_function_is_caught_by_verification(monkeypatch):
         assert_grads_equal(reference, model)
     finally:
         remat.remove(model)
+
+
+class _Counts(_Layers):
+    """Counts its steps in a buffer with ``+=``: fx sees a Proxy rebound where the buffer was."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps += 1
+        return super().forward(x)
+
+
+class _CountsCalls(_Layers):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def _fork_noise(x):
+    with torch.random.fork_rng():
+        return x + 0.01 * torch.randn_like(x)
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (_Counts, "rebinds buffer 'steps'"),
+        (_CountsCalls, "changes attribute 'calls'"),
+        (lambda: _Layers(_fork_noise), "sets a random generator's state"),
+    ],
+    ids=["buffer-rebound", "python-counter", "fork-rng"],
+)
+def test_state_the_trace_would_miss_is_put_back_and_refused(make, why):
+    torch.manual_seed(0)
+    model = make()
+    buffers = dict(model._buffers)
+    untouched = Untouched(model)
+    with pytest.raises(TracedError, match=why):
+        traced(model, True)
+    untouched.check()
+    assert all(model._buffers[k] is b for k, b in buffers.items())  # the tensors themselves, not Proxies
+    assert vars(model).get("calls", 0) == 0
+    torch.save(model.state_dict(), _Sink())
+
+
+class _Sink:
+    def write(self, data):
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+class _Scaled(_Layers):
+    """Reads a plain attribute (a schedule's value) and the grad mode: a trace holds both as they were."""
+
+    def __init__(self):
+        super().__init__(lambda x: x * self.alpha * (2.0 if torch.is_grad_enabled() else 1.0))
+        self.alpha = 1.0
+
+
+def test_a_traced_plan_runs_the_class_forward_once_an_attribute_it_read_changes_or_without_gradients():
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(64, 32)
+    reference = twin(model)
+    _, budget = _lowish_budget(model, x)
+    plan = remat.auto(model, x, budget=budget, repeat=1, warmup=0)
+    try:
+        assert any(name.startswith(HOLDER + ".") for name in plan.checkpointed)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        model.alpha = reference.alpha = 0.25
+        with pytest.warns(UserWarning, match="alpha changed since the model's forward was traced"):
+            model(x).sum().backward()
+        reference(x).sum().backward()
+        assert_grads_equal(reference, model)
+    finally:
+        remat.remove(model)

@@ -218,10 +218,17 @@ class Candidates:
             return self.findings.reference
         keep, over = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=()), ""
         below = self.limit is not None and self.prof.baseline_peak_bytes > self.limit
-        own = self._own_forward(plan, below) if is_traced_plan(plan.assignment) else None
+        traced = is_traced_plan(plan.assignment)
+        own = self._own_forward(plan, below) if traced else None
         if own is not None:
             keep, over = own
         elif below and self.limit is not None:
+            if traced:
+                self.findings.notes.append(
+                    "The model's own forward does not fit the budget on any slice of the batch, so the traced plans "
+                    "were compared with a traced plan, not with it: a trace that missed something the forward does "
+                    "would not be seen (NOTE [A traced forward is compared with the model's own])."
+                )
             floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
             keep = make_plan(self.prof, f"{floor}B", nested=False)
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from remat.core._region import REGION_BUFFER_MODULES
@@ -48,6 +51,7 @@ from remat.profiling._traced_cut import (
     TracedError,
     _choose_cuts,
     _is_value,
+    _plain_attributes,
     _signature,
     _sizes,
     traced,
@@ -100,9 +104,11 @@ class _Segment(nn.Module):
 class _TracedForward:
     """The model's instance-level ``forward`` while traced: binds the call, runs the segments as a chain.
 
-    The trace holds the Python branches as they went when it was made, ``self.training`` ones included; in
-    any other mode (``model.eval()`` on a model traced for training) the class's forward runs instead, so the
-    model computes what it would without remat (and checkpoints nothing, as eval steps need not).
+    The trace holds the Python branches as they went when it was made, ``self.training`` ones included, the
+    plain attributes it read (``self.alpha``) and the grad mode; in any other mode (``model.eval()`` on a model
+    traced for training), without gradients, or once a plain attribute changed, the class's forward runs
+    instead, so the model computes what it would without remat (and checkpoints nothing: call ``remat.auto``
+    again for a plan of the changed model).
     """
 
     def __init__(
@@ -112,9 +118,31 @@ class _TracedForward:
         self.signature = signature
         self.modes = modes
         self.own = type(model).forward.__get__(model)
+        self.model = weakref.ref(model)
+        self.plain = _plain_attributes(model)
+        self.warned = False
+
+    def _warn_once(self, model: nn.Module) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        now = _plain_attributes(model)
+        changed = sorted(
+            ".".join(p for p in key if p) for key in set(now) | set(self.plain) if now.get(key) != self.plain.get(key)
+        )
+        warnings.warn(
+            f"remat: {', '.join(changed)} changed since the model's forward was traced for its plan, which holds "
+            "the values it read: the class's forward runs instead, checkpointing nothing. Call remat.auto (or "
+            "remat.apply with a new plan) again to checkpoint the changed model.",
+            stacklevel=3,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if any(m.training != mode for m, mode in self.modes.items()):
+        if not torch.is_grad_enabled() or any(m.training != mode for m, mode in self.modes.items()):
+            return self.own(*args, **kwargs)
+        model = self.model()
+        if model is not None and _plain_attributes(model) != self.plain:
+            self._warn_once(model)
             return self.own(*args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()

@@ -76,8 +76,13 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
 # through into its ``forward``, and its own ``backward`` is lost (a straight-through estimator's
 # ``round`` gave its layers gradients of 0). So the tracer runs with gradients on and autocast off, refuses
 # a node made in any other state (the forward is not traced; its module units stand, or it gets no plan),
-# and records ``Function.apply`` as one call, its backward the Function's own.
+# and records ``Function.apply`` as one call, its backward the Function's own. So too for what a forward
+# does to state outside its tensors: setting a generator's state (``fork_rng``), rebinding a buffer
+# (``self.steps += 1``, which leaves a Proxy where the buffer was), changing a plain attribute (a Python
+# counter): each is put back and refused. A trace bakes in plain attributes it reads (``self.alpha``) and
+# the grad mode; the installed forward runs the class's own where either differs (``_TracedForward``).
 _STATE_CHANGES = "turns gradients off or autocast on in a region (torch.no_grad, set_grad_enabled, autocast)"
+_RNG_CHANGES = "sets a random generator's state (torch.random.fork_rng, manual_seed)"
 
 
 def _grad_and_autocast() -> tuple[Any, ...]:
@@ -98,7 +103,7 @@ class _BufferTracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        with torch.enable_grad(), _autocast_off(), _functions_as_calls(self):
+        with torch.enable_grad(), _autocast_off(), _functions_as_calls(self), _rng_state_refused():
             self._state = _grad_and_autocast()
             return super().trace(root, concrete_args)
 
@@ -106,6 +111,38 @@ class _BufferTracer(fx.Tracer):
         if _grad_and_autocast() != self._state:
             raise TracedError(f"its forward {_STATE_CHANGES}, which torch.fx does not record")
         return super().create_node(*args, **kwargs)
+
+
+_RNG_SETTERS = (
+    (torch, "set_rng_state"),
+    (torch, "manual_seed"),
+    (torch, "seed"),
+    (torch.random, "set_rng_state"),
+    (torch.random, "manual_seed"),
+    (torch.random, "seed"),
+    (torch.cuda, "set_rng_state"),
+    (torch.cuda, "set_rng_state_all"),
+    (torch.cuda, "manual_seed"),
+    (torch.cuda, "manual_seed_all"),
+)
+
+
+@contextmanager
+def _rng_state_refused() -> Iterator[None]:
+    """While tracing, setting a generator's state (``torch.random.fork_rng``, a ``manual_seed`` in the forward)
+    refuses the trace: it runs at trace time and leaves no node (NOTE [What a trace must not miss])."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _RNG_SETTERS if hasattr(owner, name)]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TracedError(f"its forward {_RNG_CHANGES}, which torch.fx does not record")
+
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 @contextmanager
@@ -150,22 +187,62 @@ def _functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
 
 
 def _traced_with_buffers(model: nn.Module) -> fx.GraphModule:
-    """``fx.symbolic_trace(model)`` with buffers traced (``_BufferTracer``); a buffer the trace still changed (a
-    write fx did not record) is put back and refused."""
-    before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    """``fx.symbolic_trace(model)`` with buffers traced (``_BufferTracer``); what the trace changed and fx did not
+    record (a buffer's values, a buffer or a plain attribute rebound: ``self.steps += 1``) is put back and refused
+    (NOTE [What a trace must not miss])."""
+    owners = {name: m for name, m in model.named_modules()}
+    buffers = {(name, k): b for name, m in owners.items() for k, b in m._buffers.items() if b is not None}
+    values = {key: b.detach().clone() for key, b in buffers.items()}
+    plain = _plain_attributes(model)
     tracer = _BufferTracer()
     try:
         graph = tracer.trace(model)
     finally:
-        changed = [n for n, b in model.named_buffers() if n in before and not torch.equal(b, before[n])]
+        rebound = [key for key, b in buffers.items() if owners[key[0]]._buffers.get(key[1]) is not b]
+        for module_name, k in rebound:
+            owners[module_name]._buffers[k] = buffers[module_name, k]
+        changed = [key for key, b in buffers.items() if not torch.equal(b, values[key])]
         with torch.no_grad():
-            for name in changed:
-                model.get_buffer(name).copy_(before[name])
-    if changed:
-        raise TracedError(
-            f"its forward writes buffer {changed[0]!r} in a way torch.fx does not record ({len(changed)} buffer(s))"
-        )
+            for key in changed:
+                buffers[key].copy_(values[key])
+        moved = _put_back_attributes(owners, plain)
+    what = (
+        [f"rebinds buffer {_dotted(k)!r}" for k in rebound]
+        + [f"writes buffer {_dotted(k)!r}" for k in changed]
+        + [f"changes attribute {_dotted(k)!r}" for k in moved]
+    )
+    if what:
+        raise TracedError(f"its forward {what[0]} in a way torch.fx does not record ({len(what)} such change(s))")
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _dotted(key: tuple[str, str]) -> str:
+    return f"{key[0]}.{key[1]}" if key[0] else key[1]
+
+
+def _plain_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
+    """Every module's attributes of plain Python types (numbers, strings, flags): what a trace bakes in; not the
+    training flags (``_TracedForward`` compares those itself) nor remat's own (``_remat_plan_budget``)."""
+    return {
+        (name, k): v
+        for name, m in model.named_modules()
+        for k, v in vars(m).items()
+        if type(v) in _PLAIN and k != "training" and not k.startswith("_remat")
+    }
+
+
+def _put_back_attributes(owners: dict[str, nn.Module], plain: dict[tuple[str, str], Any]) -> list[tuple[str, str]]:
+    """Put back the plain attributes a trace changed (a Python counter, ``self.calls += 1``); their keys."""
+    moved = []
+    for (name, k), v in plain.items():
+        now = vars(owners[name]).get(k, _MISSING)
+        if now is not v and now != v:
+            object.__setattr__(owners[name], k, v)
+            moved.append((name, k))
+    return moved
+
+
+_MISSING = object()
 
 
 def _first_line(exc: BaseException) -> str:
