@@ -35,7 +35,7 @@ from remat.core._caches import CacheCopies
 from remat.core._compiled import quiet_torch_notice, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, Stacked, policy_contexts
 from remat.core._functorch import active_transforms, run_under_transform
-from remat.core._host_rng import HOST_DRAWS, HostDraws
+from remat.core._host_rng import HOST_DRAWS, HostDraws, _name_of
 from remat.core._memo import STRUCTURES, device_markers, learned_memo, memo_key
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE
@@ -193,10 +193,6 @@ def _run_checkpointed(
         structure = recorder.structure()
         remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
-
-
-def _name_of(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 _SAC_ONCE = ("Trying to backward an extra time", "encountered during backward but not found in storage")
