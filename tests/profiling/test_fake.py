@@ -221,6 +221,24 @@ def test_inputs_sharing_a_storage_share_one_fake_storage():
     _exact(_TakesLabels(model), {"ids": ids[:, :16], "labels": ids[:, 16:]})  # views of one batch
 
 
+def test_fake_inputs_twin_storages_gradients_and_views_as_a_step_counts_them():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from remat.profiling._shadow import ValueShadows
+
+    leaf = torch.randn(4, 8, requires_grad=True)
+    leaf.grad = torch.ones(4, 8)
+    batch = torch.arange(12.0)
+    inputs = {"x": leaf, "a": batch[:6], "b": batch[6:], "y": leaf * 2, "n": 3}
+    for step in (False, True):
+        fakes = _fake.fake_inputs(FakeTensorMode(allow_non_fake_inputs=True), ValueShadows(), inputs, step=step)
+        assert fakes["n"] == 3 and all(isinstance(fakes[k], FakeTensor) for k in "xaby")
+        assert fakes["a"].untyped_storage()._cdata == fakes["b"].untyped_storage()._cdata  # one batch, one storage
+        assert fakes["a"].untyped_storage().nbytes() == batch.untyped_storage().nbytes()
+        assert fakes["x"].requires_grad and (fakes["x"].grad is not None) == step
+        assert fakes["y"].is_leaf != step  # in a step a non-leaf input stays one: its gradient is used and freed
+
+
 class _TakesLabels(nn.Module):
     def __init__(self, model):
         super().__init__()

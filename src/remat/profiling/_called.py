@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
 
 from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
@@ -34,7 +33,7 @@ from remat.core._state import capture, host_rng, restoring, set_host_rng
 from remat.core._step import call_model
 from remat.core._typing import Inputs
 from remat.profiling._blocks import is_leaf
-from remat.profiling._fake import FakeWeights, fake_like
+from remat.profiling._fake import FakeWeights, fake_inputs
 from remat.profiling._random_branches import HOST_RUNS, RandomBranches, branches, weight_storages
 from remat.profiling._shadow import ValueShadows
 
@@ -86,15 +85,7 @@ def _in_mode(model: nn.Module, training: bool | None) -> Iterator[None]:
 def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows()  # small tensors keep real values: a Hugging Face mask or position ids
-
-    def fake_input(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        fake = fake_like(mode, t)
-        shadows.seed(fake, t)
-        return fake
-
-    fake_inputs = tree_map(fake_input, inputs)
+    fakes = fake_inputs(mode, shadows, inputs)
     host = host_rng()  # torch's generators do not move under fake tensors; Python's and NumPy's do
     with contextlib.ExitStack() as stack:
         stack.callback(set_host_rng, host)
@@ -104,7 +95,7 @@ def _fake_forward(model: nn.Module, inputs: Inputs) -> None:
         stack.enter_context(mode)
         stack.enter_context(shadows)
         stack.enter_context(torch.no_grad())
-        call_model(model, fake_inputs)
+        call_model(model, fakes)
 
 
 def _real_forward(model: nn.Module, inputs: Inputs, *modes: Any) -> None:

@@ -80,6 +80,29 @@ def fake_on_shared_storage(mode: FakeTensorMode, t: torch.Tensor, bases: dict[in
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+def fake_inputs(mode: FakeTensorMode, shadows: ValueShadows, inputs: Inputs, *, step: bool = False) -> Inputs:
+    """Fake twins of the tensors in ``inputs`` (anything else as it is): inputs sharing a storage share one fake
+    storage (``fake_on_shared_storage``), each twin requires grad as its input does, and ``shadows`` is seeded
+    with its input's values. ``step``: counted as a training step counts them, a leaf's ``.grad`` twinned and a
+    non-leaf made a view (NOTE [Each step's inputs are fresh] in remat.core._step: a leaf's gradient is kept to
+    the end of the step, a non-leaf's used and freed)."""
+    bases: dict[int, torch.Tensor] = {}
+
+    def twin(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        fake = fake_on_shared_storage(mode, t, bases).requires_grad_(t.requires_grad)
+        if step and t.is_leaf and t.grad is not None:
+            fake.grad = fake_like(mode, t.grad)
+        elif step and not t.is_leaf:
+            with mode:
+                fake = fake.view_as(fake)
+        shadows.seed(fake, t)
+        return fake
+
+    return tree_map(twin, inputs)
+
+
 class FakeWeights:
     """Swaps every parameter and buffer for a fake twin; puts the originals back on exit.
 
@@ -172,23 +195,7 @@ def _trace(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows(layouts=True, cuda=target.cuda is not None)  # NOTE [Output layouts of the device's kernels]
 
-    bases: dict[int, torch.Tensor] = {}
-
-    def fake_input(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        # Its gradient is the step's memory too (NOTE [Each step's inputs are fresh] in remat.core._step):
-        # a leaf's is kept to the end of the step, a non-leaf's (here a view) used and freed.
-        fake = fake_on_shared_storage(mode, t, bases).requires_grad_(t.requires_grad)
-        if t.is_leaf and t.grad is not None:
-            fake.grad = fake_like(mode, t.grad)
-        elif not t.is_leaf:
-            with mode:
-                fake = fake.view_as(fake)
-        shadows.seed(fake, t)
-        return fake
-
-    fake_inputs = tree_map(fake_input, inputs)
+    fake_ins = fake_inputs(mode, shadows, inputs, step=True)
     workspace = Workspace(target.cuda.gpu, target.cuda.workspace) if target.cuda is not None else None
     blocks = target.block_bytes()  # NOTE [Blocks the caching allocator hands out]
     switch = _Policies(model, names)
@@ -206,18 +213,18 @@ def _trace(
         for policy, run_as, learn in _last(trace_schedule(policies), last):
             if wanted is not None and policy == last:
                 with spent("fake profile"):
-                    if not wanted((traced, io_bytes, fake_inputs, ledgers, _kept(model, loop, blocks))):
+                    if not wanted((traced, io_bytes, fake_ins, ledgers, _kept(model, loop, blocks))):
                         continue
             switch.set(run_as)
             with mode, shadows:
                 if learn:
                     with spent("fake learning steps"):
-                        learn_structure(model, fake_inputs, loss_fn)
-                loop.steady(model, fake_inputs, loss_fn)
+                        learn_structure(model, fake_ins, loss_fn)
+                loop.steady(model, fake_ins, loss_fn)
                 with spent("fake traced steps"):
                     traced[policy], io, _, ledgers[policy] = traced_step(
                         model,
-                        fake_inputs,
+                        fake_ins,
                         loss_fn,
                         names,
                         op_cost=target.op_seconds,
@@ -227,7 +234,7 @@ def _trace(
                     )
             io_bytes = io_bytes or io
         kept = _kept(model, loop, blocks)
-        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_inputs, ledgers, kept
+        return {p: traced[p] for p in policies if p in traced}, io_bytes, fake_ins, ledgers, kept
 
 
 def _kept(model: nn.Module, loop: Loop, block_bytes: BlockBytes | None) -> tuple[int, int]:
@@ -271,10 +278,10 @@ def run_fake_profile(
         )
 
     def profile_of(run: _Traced) -> Profile:
-        traced, io_bytes, fake_inputs, ledgers, kept = run
+        traced, io_bytes, fakes, ledgers, kept = run
         return assemble(
             model,
-            fake_inputs,
+            fakes,
             names,
             [p for p in policies if p in traced],
             traced,

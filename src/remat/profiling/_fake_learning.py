@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
-import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
 
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._state import host_rng, set_host_rng
 from remat.core._typing import Inputs, LossFn
 from remat.core.checkpoint import knows_structure
-from remat.profiling._fake import FakeWeights, fake_on_shared_storage
+from remat.profiling._fake import FakeWeights, fake_inputs
 from remat.profiling._schedule import learn_structure
 from remat.profiling._shadow import ValueShadows
 
@@ -44,20 +41,11 @@ def learn_on_fake_tensors(model: nn.Module, inputs: Inputs, loss_fn: LossFn | No
         return False
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = ValueShadows()  # small tensors keep real values: a Hugging Face mask or position ids
-    bases: dict[int, torch.Tensor] = {}
-
-    def fake_input(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        fake = fake_on_shared_storage(mode, t, bases).requires_grad_(t.requires_grad)
-        shadows.seed(fake, t)
-        return fake
-
     host = host_rng()  # torch's generators do not move under fake tensors; Python's and NumPy's do
     try:
-        fake_inputs = tree_map(fake_input, inputs)
+        fakes = fake_inputs(mode, shadows, inputs)
         with FakeWeights(model, mode, None), cache_disabled(model), fake_tensors_untraced(), mode, shadows:
-            learn_structure(model, fake_inputs, loss_fn)
+            learn_structure(model, fakes, loss_fn)
     except Exception as exc:  # noqa: BLE001 (fake tensors cannot run it: the real step learns)
         log.info("remat: selective blocks learn in the real step (fake tensors cannot run it: %s).", exc)
         return False
