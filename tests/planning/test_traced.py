@@ -218,7 +218,7 @@ def test_one_trace_serves_profile_and_every_put_and_a_changed_attribute_traces_a
 
     traces = []
     trace = _traced_cut._traced_with_buffers
-    monkeypatch.setattr(_traced_cut, "_traced_with_buffers", lambda m: traces.append(m) or trace(m))
+    monkeypatch.setattr(_traced_cut, "_traced_with_buffers", lambda m, reads: traces.append(m) or trace(m, reads))
     torch.manual_seed(0)
     model, x = HeavyModel(), torch.tensor(0.5)
     ref = twin(model)
@@ -443,7 +443,7 @@ def test_a_buffer_write_the_trace_cannot_record_is_refused_and_undone():
 
     model = _Aliased()
     with pytest.raises(TracedError, match="writes buffer 'count' in a way torch.fx does not record"):
-        _traced_with_buffers(model)
+        _traced_with_buffers(model, {})
     assert model.count.item() == 0  # the write the trace ran is undone
     with pytest.raises(remat.RematError, match="writes buffer 'count'"):
         remat.profile(model, torch.randn(8))

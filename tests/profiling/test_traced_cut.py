@@ -4,6 +4,7 @@ traced plans compared with the model's own forward (NOTE [A traced forward is co
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -197,14 +198,20 @@ class _Scaled(_Layers):
         self.alpha = 1.0
 
 
-def test_a_traced_plan_runs_the_class_forward_once_an_attribute_it_read_changes_or_without_gradients():
+def _traced_plan(cls):
+    """``cls()`` under a traced plan of auto's, an input, and a twin without one."""
     torch.manual_seed(0)
-    model, x = _Scaled(), torch.randn(64, 32)
+    model, x = cls(), torch.randn(64, 32)
     reference = twin(model)
     _, budget = _lowish_budget(model, x)
     plan = remat.auto(model, x, budget=budget, repeat=1, warmup=0)
+    assert any(name.startswith(HOLDER + ".") for name in plan.checkpointed)
+    return model, x, reference
+
+
+def test_a_traced_plan_runs_the_class_forward_once_an_attribute_it_read_changes_or_without_gradients():
+    model, x, reference = _traced_plan(_Scaled)
     try:
-        assert any(name.startswith(HOLDER + ".") for name in plan.checkpointed)
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))
         model.alpha = reference.alpha = 0.25
@@ -214,3 +221,60 @@ def test_a_traced_plan_runs_the_class_forward_once_an_attribute_it_read_changes_
         assert_grads_equal(reference, model)
     finally:
         remat.remove(model)
+
+
+class _Gained(_Layers):
+    """A leaf module fx calls as it is (it reads its own attributes at each call), and a gain looked up with a
+    default: the trace holds that it found none."""
+
+    def __init__(self):
+        super().__init__(nn.LeakyReLU(0.1))
+
+    def forward(self, x):
+        return super().forward(x) * getattr(self, "gain", 1.0)
+
+
+def _spied(model):
+    """The class forwards the traced forward falls back to, counted."""
+    own, calls = model.forward.own, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    model.forward.own = counted
+    return calls
+
+
+def test_a_traced_plan_watches_only_the_attributes_its_trace_read():
+    # NOTE [The attributes a trace holds]
+    model, x, reference = _traced_plan(_Gained)
+    try:
+        fallbacks = _spied(model)
+        model.between.negative_slope = reference.between.negative_slope = 0.3  # read by the leaf at each call
+        model.global_step = 7  # a training loop's counter, read by no forward
+        model.between.calls = 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x).sum().backward()
+        reference(x).sum().backward()
+        assert_grads_equal(reference, model)
+        assert not fallbacks  # the traced segments ran, with the slope the leaf read then
+        model.gain = reference.gain = 0.5  # absent when traced: the trace holds 1.0
+        with pytest.warns(UserWarning, match="gain changed since the model's forward was traced"):
+            model(x).sum().backward()
+        reference(x).sum().backward()
+        assert_grads_equal(reference, model)
+        assert fallbacks
+    finally:
+        remat.remove(model)
+
+
+def test_recording_the_reads_of_a_trace_leaves_module_attribute_lookup_as_it_was():
+    from remat.profiling._traced_reads import MISSING, reads_recorded
+
+    module, reads = nn.Linear(2, 2), {}
+    with reads_recorded(reads):
+        assert module.in_features == 2 and getattr(module, "gain", None) is None and module.weight.shape == (2, 2)
+    assert reads == {(module, "in_features"): 2, (module, "gain"): MISSING}
+    assert "__getattribute__" not in nn.Module.__dict__

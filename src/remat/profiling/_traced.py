@@ -32,7 +32,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -51,11 +50,11 @@ from remat.profiling._traced_cut import (
     TracedError,
     _choose_cuts,
     _is_value,
-    _plain_attributes,
     _signature,
     _sizes,
     traced,
 )
+from remat.profiling._traced_reads import WatchedReads
 
 __all__ = [
     "HOLDER",
@@ -105,31 +104,32 @@ class _TracedForward:
     """The model's instance-level ``forward`` while traced: binds the call, runs the segments as a chain.
 
     The trace holds the Python branches as they went when it was made, ``self.training`` ones included, the
-    plain attributes it read (``self.alpha``) and the grad mode; in any other mode (``model.eval()`` on a model
-    traced for training), without gradients, or once a plain attribute changed, the class's forward runs
-    instead, so the model computes what it would without remat (and checkpoints nothing: call ``remat.auto``
-    again for a plan of the changed model).
+    plain attributes it read (``self.alpha``; NOTE [The attributes a trace holds] in remat.profiling._traced_reads)
+    and the grad mode; in any other mode (``model.eval()`` on a model traced for training), without gradients,
+    or once an attribute it read changed, the class's forward runs instead, so the model computes what it would
+    without remat (and checkpoints nothing: call ``remat.auto`` again for a plan of the changed model).
     """
 
     def __init__(
-        self, model: nn.Module, holder: nn.Sequential, signature: inspect.Signature, modes: dict[nn.Module, bool]
+        self,
+        model: nn.Module,
+        holder: nn.Sequential,
+        signature: inspect.Signature,
+        modes: dict[nn.Module, bool],
+        reads: WatchedReads,
     ) -> None:
         self.holder = holder
         self.signature = signature
         self.modes = modes
         self.own = type(model).forward.__get__(model)
-        self.model = weakref.ref(model)
-        self.plain = _plain_attributes(model)
+        self.reads = reads
         self.warned = False
 
-    def _warn_once(self, model: nn.Module) -> None:
+    def _warn_once(self) -> None:
         if self.warned:
             return
         self.warned = True
-        now = _plain_attributes(model)
-        changed = sorted(
-            ".".join(p for p in key if p) for key in set(now) | set(self.plain) if now.get(key) != self.plain.get(key)
-        )
+        changed = sorted(self.reads.changed())
         warnings.warn(
             f"remat: {', '.join(changed)} changed since the model's forward was traced for its plan, which holds "
             "the values it read: the class's forward runs instead, checkpointing nothing. Call remat.auto (or "
@@ -140,9 +140,8 @@ class _TracedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or any(m.training != mode for m, mode in self.modes.items()):
             return self.own(*args, **kwargs)
-        model = self.model()
-        if model is not None and _plain_attributes(model) != self.plain:
-            self._warn_once(model)
+        if not self.reads.unchanged():
+            self._warn_once()
             return self.own(*args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -244,7 +243,7 @@ def _install(
     holder = nn.Sequential(segments)
     model._modules[HOLDER] = holder
     modes = {module: trace.modes[name] for name, module in model.named_modules() if name in trace.modes}
-    model.forward = _TracedForward(model, holder, signature, modes)
+    model.forward = _TracedForward(model, holder, signature, modes, WatchedReads(model, trace.reads))
     return [f"{HOLDER}.{name}" for name in segments]
 
 

@@ -15,6 +15,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError
+from remat.profiling._traced_reads import PLAIN, plain_attributes, put_back_attributes, reads_recorded
 
 #: Most segments a traced forward is cut into (the nested planner's chain grows with it).
 MAX_SEGMENTS = 32
@@ -40,8 +41,11 @@ def _signature(model: nn.Module) -> inspect.Signature:
     return signature
 
 
-def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dict[nn.Module, bool]]:
-    """The fx trace of ``model``'s class forward in ``training`` mode (None: its modes now), and those modes."""
+def _trace(
+    model: nn.Module, training: bool | None
+) -> tuple[fx.GraphModule, dict[nn.Module, bool], dict[tuple[nn.Module, str], Any]]:
+    """The fx trace of ``model``'s class forward in ``training`` mode (None: its modes now), those modes, and the
+    plain attributes it read (NOTE [The attributes a trace holds] in remat.profiling._traced_reads)."""
     if "forward" in model.__dict__:
         raise TracedError("it has an instance-level forward (already wrapped or patched), not its class's")
     before = {m: m.training for m in model.modules()}
@@ -49,7 +53,8 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
         if training is not None:
             model.train(training)
         modes = {m: m.training for m in model.modules()}
-        return _traced_with_buffers(model), modes
+        reads: dict[tuple[nn.Module, str], Any] = {}
+        return _traced_with_buffers(model, reads), modes, reads
     except TracedError:
         raise
     except fx.proxy.TraceError as exc:
@@ -80,7 +85,8 @@ def _trace(model: nn.Module, training: bool | None) -> tuple[fx.GraphModule, dic
 # does to state outside its tensors: setting a generator's state (``fork_rng``), rebinding a buffer
 # (``self.steps += 1``, which leaves a Proxy where the buffer was), changing a plain attribute (a Python
 # counter): each is put back and refused. A trace bakes in plain attributes it reads (``self.alpha``) and
-# the grad mode; the installed forward runs the class's own where either differs (``_TracedForward``).
+# the grad mode; the installed forward runs the class's own where either differs (``_TracedForward``; NOTE
+# [The attributes a trace holds] in remat.profiling._traced_reads).
 _STATE_CHANGES = "turns gradients off or autocast on in a region (torch.no_grad, set_grad_enabled, autocast)"
 _RNG_CHANGES = "sets a random generator's state (torch.random.fork_rng, manual_seed)"
 
@@ -186,17 +192,18 @@ def _functions_as_calls(tracer: fx.Tracer) -> Iterator[None]:
         function.apply = original  # type: ignore[method-assign]
 
 
-def _traced_with_buffers(model: nn.Module) -> fx.GraphModule:
+def _traced_with_buffers(model: nn.Module, reads: dict[tuple[nn.Module, str], Any]) -> fx.GraphModule:
     """``fx.symbolic_trace(model)`` with buffers traced (``_BufferTracer``); what the trace changed and fx did not
     record (a buffer's values, a buffer or a plain attribute rebound: ``self.steps += 1``) is put back and refused
-    (NOTE [What a trace must not miss])."""
+    (NOTE [What a trace must not miss]). The plain attributes the forward read go in ``reads``."""
     owners = {name: m for name, m in model.named_modules()}
     buffers = {(name, k): b for name, m in owners.items() for k, b in m._buffers.items() if b is not None}
     values = {key: b.detach().clone() for key, b in buffers.items()}
-    plain = _plain_attributes(model)
+    plain = plain_attributes(model)
     tracer = _BufferTracer()
     try:
-        graph = tracer.trace(model)
+        with reads_recorded(reads):
+            graph = tracer.trace(model)
     finally:
         rebound = [key for key, b in buffers.items() if owners[key[0]]._buffers.get(key[1]) is not b]
         for module_name, k in rebound:
@@ -205,7 +212,7 @@ def _traced_with_buffers(model: nn.Module) -> fx.GraphModule:
         with torch.no_grad():
             for key in changed:
                 buffers[key].copy_(values[key])
-        moved = _put_back_attributes(owners, plain)
+        moved = put_back_attributes(owners, plain)
     what = (
         [f"rebinds buffer {_dotted(k)!r}" for k in rebound]
         + [f"writes buffer {_dotted(k)!r}" for k in changed]
@@ -218,31 +225,6 @@ def _traced_with_buffers(model: nn.Module) -> fx.GraphModule:
 
 def _dotted(key: tuple[str, str]) -> str:
     return f"{key[0]}.{key[1]}" if key[0] else key[1]
-
-
-def _plain_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
-    """Every module's attributes of plain Python types (numbers, strings, flags): what a trace bakes in; not the
-    training flags (``_TracedForward`` compares those itself) nor remat's own (``_remat_plan_budget``)."""
-    return {
-        (name, k): v
-        for name, m in model.named_modules()
-        for k, v in vars(m).items()
-        if type(v) in _PLAIN and k != "training" and not k.startswith("_remat")
-    }
-
-
-def _put_back_attributes(owners: dict[str, nn.Module], plain: dict[tuple[str, str], Any]) -> list[tuple[str, str]]:
-    """Put back the plain attributes a trace changed (a Python counter, ``self.calls += 1``); their keys."""
-    moved = []
-    for (name, k), v in plain.items():
-        now = vars(owners[name]).get(k, _MISSING)
-        if now is not v and now != v:
-            object.__setattr__(owners[name], k, v)
-            moved.append((name, k))
-    return moved
-
-
-_MISSING = object()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -360,7 +342,6 @@ def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[
 # module, which a forward's Python loops and branches read (``self.loops``); a change to either traces
 # again. Segments are new modules at each install over the kept code, so no wrapper stays on one.
 _TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Traced]] = weakref.WeakKeyDictionary()
-_PLAIN = (bool, int, float, str, type(None))
 
 
 @dataclass
@@ -373,6 +354,8 @@ class Traced:
     nodes: list[fx.Node]
     carries: dict[int, fx.Node]
     position: dict[str, int]
+    reads: dict[tuple[str, str], Any]
+    """(module name, attribute) -> the plain value the forward read (``MISSING``: looked for, not found)."""
     code: dict[tuple[int, int], tuple[Callable, dict[str, Any], tuple[str, ...]]] = field(default_factory=dict)
     """(first op, last op) -> the segment's compiled forward, the trace's constants it reads, and the modules whose
     buffers it reads."""
@@ -380,7 +363,7 @@ class Traced:
 
 def _key(model: nn.Module, training: bool | None) -> tuple:
     plain = tuple(
-        (name, tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in _PLAIN and k != "training")))
+        (name, tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in PLAIN and k != "training")))
         for name, m in model.named_modules()
     )
     modes = training if training is not None else tuple(m.training for m in model.modules())
@@ -393,7 +376,7 @@ def traced(model: nn.Module, training: bool | None) -> Traced:
     key = _key(model, training)
     kept = _TRACES.setdefault(model, {})
     if key not in kept:
-        gm, modes = _trace(model, training)
+        gm, modes, reads = _trace(model, training)
         nodes = list(gm.graph.nodes)
         names = {module: name for name, module in model.named_modules()}  # names: the kept trace holds no module
         kept.clear()  # the latest trace only: a model's other modes are rarely asked for again
@@ -403,5 +386,6 @@ def traced(model: nn.Module, training: bool | None) -> Traced:
             nodes,
             _carries(nodes),
             {n.name: i for i, n in enumerate(nodes)},
+            {(names[m], k): v for (m, k), v in reads.items() if m in names},  # a module outside the model: held
         )
     return kept[key]
