@@ -82,3 +82,23 @@ def test_collections_paused_restores_what_the_caller_had():
     with StorageTracker():
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+_FIRST_STEP = """
+import torch, remat
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(4)])
+x = torch.randn(64, 32)
+print(*(remat.measure(model, x, warmup=0, repeat=1).peak_bytes for _ in range(3)))
+"""
+
+
+def test_the_first_counted_step_of_a_process_counts_what_every_later_one_does():
+    # NOTE [The first op under a dispatch mode]: it needs a process that has run no op under a dispatch mode
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_STEP], capture_output=True, text=True, check=True, timeout=300)
+    first, *later = map(int, out.stdout.split())
+    assert later == [first, first], (first, later)  # was first = later + 8192: the forward's output, held

@@ -37,6 +37,15 @@ other: Informer's step measured 16 B over the prediction in some runs and not in
 While a step is counted, collections are paused (``collections_paused``): such a tensor lives
 to the end of the step in every run, the most it can hold, so every count of the step agrees
 and no run a collection spares is over the prediction.
+
+NOTE [The first op under a dispatch mode]
+The first op a process runs under a Python dispatch mode (the storage tracker, torch's selective
+checkpoint) imports half of torch (``torch._dynamo``, sympy: 1.7 s on a CPU), and that import
+leaves reference cycles holding the frames that called it: the step's own, with the forward's
+output in them. With collections paused they lived through the whole first counted step of a
+process (the output of a stack of MLPs, 8192 B over every later count of the same step). So
+before the first pause, one op runs under a bare mode and the collector runs once: the import
+is paid where it would have been, outside the count.
 """
 
 from __future__ import annotations
@@ -61,9 +70,30 @@ T = TypeVar("T")
 _WRAPPERS: dict[type, bool] = {}
 
 
+class _Bare(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*args, **(kwargs or {}))
+
+
+_DISPATCH_READY: list[bool] = []
+
+
+def _dispatch_ready() -> None:
+    """Once per process: torch's lazy imports for dispatch modes done and their garbage collected (NOTE [The
+    first op under a dispatch mode])."""
+    if _DISPATCH_READY:
+        return
+    _DISPATCH_READY.append(True)
+    with _Bare():
+        torch.zeros(1).add_(1)
+    gc.collect()
+
+
 @contextmanager
 def collections_paused() -> Iterator[None]:
-    """No garbage collection inside (NOTE [Cyclic garbage during a counted step]); as it was afterwards."""
+    """No garbage collection inside (NOTE [Cyclic garbage during a counted step]; NOTE [The first op under a
+    dispatch mode]); as it was afterwards."""
+    _dispatch_ready()
     enabled = gc.isenabled()
     gc.disable()
     try:
