@@ -275,6 +275,34 @@ def test_segments_over_a_module_list_loop_match_gradients():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_a_nested_plan_holds_no_argument_past_its_step_and_pickles_with_the_model():
+    import gc
+    import pickle
+    import weakref
+
+    torch.manual_seed(0)
+    ref, model = _Loop(), _Loop()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(8, 16)
+    remat.apply(model, _loop_plan((("layers.0", "layers.3"), ("layers.0", "layers.1"))))
+    gates: list = []
+    hook = model.layers[0].register_forward_pre_hook(
+        lambda m, args, kwargs: gates.append(weakref.ref(kwargs["gate"])), with_kwargs=True
+    )
+    _step(model, x)
+    hook.remove()
+    gc.collect()
+    assert gates and gates[-1]() is None  # the segment's check of the next call keeps no tensor alive
+    loaded = pickle.loads(pickle.dumps(model))  # torch.save(model) pickles it so
+    recomputed: list = []
+    loaded.layers[2].lin.register_forward_hook(lambda *_: recomputed.append(remat.is_recomputing()))
+    out, grads = _step(loaded, x)
+    ref_out, ref_grads = _step(ref, x)
+    assert torch.equal(out, ref_out) and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    assert recomputed == [False, True]  # the loaded copy runs its plan
+    remat.remove(model)
+
+
 def test_a_parent_that_does_not_chain_its_blocks_is_refused():
     model = _Loop(residual_in_parent=True)
     remat.apply(model, _loop_plan((("layers.0", "layers.1"),)))

@@ -53,12 +53,13 @@ running it; blocks whose buffers sit in submodules are entered by those calls.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from remat.core._bound import PicklesBoundMethods
 from remat.core._region import REGION_BUFFER_MODULES
 from remat.core.checkpoint import checkpoint
 from remat.errors import RematError
@@ -78,11 +79,29 @@ def _same(value: Any, seen: Any, version: int | None) -> bool:
     return value is seen and _version(value) == version
 
 
+class _Held:
+    """A value that is not a tensor, held as it is beside the weak references to tensors."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
+
+
+def _weakly(value: Any) -> Callable[[], Any]:
+    """A tensor by weak reference: the check of the next call needs its identity, not to keep it alive past the
+    step (an encoder's states handed to every block stayed alive until the next step's segment ran)."""
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else _Held(value)
+
+
 def _global_pre_hooks() -> dict:
     return getattr(nn.modules.module, "_global_forward_pre_hooks", {})
 
 
-class _Entered:
+class _Entered(PicklesBoundMethods):
     """A block that owns buffers, run inside a segment as a call of it is seen (NOTE [Buffers of a block a
     segment runs])."""
 
@@ -96,7 +115,7 @@ class _Entered:
         return self.compute(*args, **kwargs)
 
 
-class _Guest:
+class _Guest(PicklesBoundMethods):
     """A segment's block after its first, run with the first block's other arguments (NOTE [How a run of
     blocks becomes one region]); where it raises on them, the parent most likely calls it with others."""
 
@@ -138,7 +157,7 @@ def _compute(module: nn.Module) -> Any:
     return current if current is not None else type(module).forward.__get__(module)
 
 
-class _Run:
+class _Run(PicklesBoundMethods):
     """Runs items (blocks, nested segments) as a chain; one persistent object per segment, so that remat's
     checkpoint remembers what its first forward wrote (NOTE [Watching only when needed])."""
 
@@ -168,8 +187,10 @@ def _hand_off(out: Any) -> tuple[torch.Tensor, tuple | None]:
     )
 
 
-class _Head:
+class _Head(PicklesBoundMethods):
     """Instance-level ``forward`` of a segment's first block: runs the segment as one region."""
+
+    _unpickled = ("last",)  # weak references (the last call's check), made again by the next call
 
     def __init__(self, module: nn.Module, run: _Run, names: list[str]) -> None:
         self.own = _compute(module)
@@ -193,14 +214,14 @@ class _Head:
         self.last = (
             weakref.ref(handed),
             _version(handed),
-            rest,
-            kwargs,
+            tuple(map(_weakly, rest)),
+            {k: _weakly(v) for k, v in kwargs.items()},
             [_version(v) for v in (*rest, *kwargs.values())],
         )
         return out
 
 
-class _Skip:
+class _Skip(PicklesBoundMethods):
     """Instance-level ``forward`` of a segment's later blocks: their work was done by the segment's head."""
 
     def __init__(self, module: nn.Module, head: _Head, name: str) -> None:
@@ -227,7 +248,8 @@ class _Skip:
         ref, version, rest, their_kwargs, versions = last
         if not _same(args[0], ref(), version) or len(args) - 1 != len(rest) or kwargs.keys() != their_kwargs.keys():
             return False
-        given, seen = (*args[1:], *(kwargs[k] for k in their_kwargs)), (*rest, *their_kwargs.values())
+        given = (*args[1:], *(kwargs[k] for k in their_kwargs))
+        seen = (*(r() for r in rest), *(r() for r in their_kwargs.values()))
         return all(_same(a, b, v) for a, b, v in zip(given, seen, versions))
 
 

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import (
     checkpoint as _torch_checkpoint,
 )
 
+from remat.core._bound import PicklesBoundMethods
 from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
 from remat.core._caches import CacheCopies
 from remat.core._compiled import quiet_torch_notice, run_compiled
@@ -347,7 +348,7 @@ def _decorate(fn: F, *, policy: Any, preserve_rng_state: bool, torch_options: di
     return checkpointed  # type: ignore[return-value]
 
 
-class _CheckpointedForward:
+class _CheckpointedForward(PicklesBoundMethods):
     """Instance-level ``forward`` that checkpoints the class's forward.
 
     An instance attribute, not a wrapper module: ``state_dict`` keys and
