@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from torch import fx, nn
 
-from remat.core._region import REGION_BUFFER_MODULES
 from remat.errors import RematError
 from remat.profiling import _traced_repeat
 from remat.profiling._traced_cut import (
@@ -55,6 +52,7 @@ from remat.profiling._traced_cut import (
     traced,
 )
 from remat.profiling._traced_reads import WatchedReads
+from remat.profiling._traced_run import HOLDER, Segment, TracedForward
 
 __all__ = [
     "HOLDER",
@@ -66,161 +64,10 @@ __all__ = [
     "uninstall",
 ]
 
-#: The attribute of the model that holds the segments while they are installed.
-HOLDER = "remat_traced"
 _PREFIX = "to_"
 
 
-class _Segment(nn.Module):
-    """One segment: the Python fx writes for its graph, run with ``self`` this module; attributes it does not
-    have come from the model (NOTE [Segments own nothing])."""
-
-    def __init__(
-        self, model: nn.Module, code: Callable, consts: dict[str, Any], buffer_owners: tuple[str, ...]
-    ) -> None:
-        super().__init__()
-        object.__setattr__(self, "_remat_code", code)
-        object.__setattr__(self, "_remat_owner", model)
-        object.__setattr__(self, "_remat_consts", consts)
-        # NOTE [Buffers a segment reads]
-        object.__setattr__(self, REGION_BUFFER_MODULES, tuple(model.get_submodule(n) for n in buffer_owners))
-
-    def forward(self, *args: Any) -> Any:
-        return self.__dict__["_remat_code"](self, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            owner, consts = self.__dict__.get("_remat_owner"), self.__dict__.get("_remat_consts", {})
-            if name in consts:
-                return consts[name]
-            if owner is None:
-                raise
-            return getattr(owner, name)
-
-
-class _TracedForward:
-    """The model's instance-level ``forward`` while traced: binds the call, runs the segments as a chain.
-
-    The trace holds the Python branches as they went when it was made, ``self.training`` ones included, the
-    plain attributes it read (``self.alpha``; NOTE [The attributes a trace holds] in remat.profiling._traced_reads)
-    and the grad mode; in any other mode (``model.eval()`` on a model traced for training), without gradients,
-    or once an attribute it read changed, the class's forward runs instead, so the model computes what it would
-    without remat (and checkpoints nothing: call ``remat.auto`` again for a plan of the changed model).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        holder: nn.Sequential,
-        signature: inspect.Signature,
-        modes: dict[nn.Module, bool],
-        reads: WatchedReads,
-    ) -> None:
-        self.holder = holder
-        self.signature = signature
-        self.modes = modes
-        self.own = type(model).forward.__get__(model)
-        self.reads = reads
-        self.warned = False
-
-    def _warn_once(self) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        changed = sorted(self.reads.changed())
-        warnings.warn(
-            f"remat: {', '.join(changed)} changed since the model's forward was traced for its plan, which holds "
-            "the values it read: the class's forward runs instead, checkpointing nothing. Call remat.auto (or "
-            "remat.apply with a new plan) again to checkpoint the changed model.",
-            stacklevel=3,
-        )
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or any(m.training != mode for m, mode in self.modes.items()):
-            return self.own(*args, **kwargs)
-        if not self.reads.unchanged():
-            self._warn_once()
-            return self.own(*args, **kwargs)
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = tuple(bound.arguments.values())
-        carry = values[0]
-        for segment in self.holder:
-            carry = segment(carry, *values)
-        return carry
-
-
 # --- segments -----------------------------------------------------------------------------------
-
-
-def _segment_graph(
-    nodes: list[fx.Node], lo: int, hi: int, carry_in: fx.Node | None, carry_out: fx.Node | None
-) -> fx.Graph:
-    """Ops lo..hi (inclusive) as a graph of (carry, *the model's inputs) -> carry (or the model's output)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    carry = graph.placeholder("remat_carry")
-    if carry_in is not None:
-        env[carry_in] = carry
-    for node in nodes:
-        if node.op == "placeholder":
-            env[node] = graph.placeholder(node.name)
-
-    def lookup(n: fx.Node) -> fx.Node:
-        if n not in env and n.op == "get_attr":
-            env[n] = graph.get_attr(str(n.target))  # a get_attr node's target is the attribute's qualified name
-        return env[n]
-
-    for node in nodes[lo : hi + 1]:
-        if node.op in ("placeholder", "get_attr"):
-            continue
-        if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lookup))
-            return graph
-        env[node] = graph.node_copy(node, lookup)
-    if carry_out is None:
-        raise RuntimeError("a segment that does not end the forward hands a carry on (remat.profiling._traced_cut)")
-    graph.output(lookup(carry_out))
-    return graph
-
-
-def _segment_code(
-    model: nn.Module, gm: fx.GraphModule, graph: fx.Graph
-) -> tuple[Callable, dict[str, Any], tuple[str, ...]]:
-    """The Python fx writes for ``graph``, compiled, the trace's constants it reads, and the modules whose buffers it
-    reads (NOTE [Buffers a segment reads])."""
-    consts = {}
-    owners: dict[str, None] = {}
-    buffers = dict(model.named_buffers())
-    for node in graph.nodes:  # tensors fx made from constants in the forward live on the trace, not the model
-        if node.op == "get_attr" and not _has_attr(model, node.target):
-            head = node.target.split(".")[0]
-            consts[head] = getattr(gm, head)
-        elif node.op == "get_attr" and node.target in buffers:
-            owners[node.target.rpartition(".")[0]] = None
-    code = graph.python_code(root_module="self")
-    scope = dict(code.globals)
-    exec(compile(code.src, "<remat traced segment>", "exec"), scope)  # noqa: S102 (fx's own code)
-    return scope["forward"], consts, tuple(owners)
-
-
-# NOTE [Buffers a segment reads]
-# A traced segment runs its modules' code inlined: BatchNorm's ``F.batch_norm`` on ``self.bn.running_mean``, a
-# subclass's ``num_batches_tracked.add_(1)``. No module is entered, so the checkpoint's region, which watches the
-# buffers of the modules a forward enters (NOTE in remat.core._region), would see none, and a recomputation would
-# update the statistics a second time. Each segment names the modules whose buffers its code reads
-# (``REGION_BUFFER_MODULES`` in remat.core._region), and the region watches them from the start of its forward.
-
-
-def _has_attr(model: nn.Module, target: str) -> bool:
-    obj: Any = model
-    for part in target.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
 
 
 def _install(
@@ -229,27 +76,24 @@ def _install(
     """Install the chain cut at ``cuts`` (``only``: those segments of it, a shorter chain); their names."""
     if HOLDER in model._modules or hasattr(model, HOLDER):
         raise TracedError(f"it already has an attribute {HOLDER!r}")
-    nodes, carries = trace.nodes, trace.carries
+    nodes = trace.nodes
     bounds = [-1, *cuts, len(nodes) - 1]
     segments: OrderedDict[str, nn.Module] = OrderedDict()
     for k, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         if only is not None and k not in only:
             continue
         last = k == len(bounds) - 2
-        if (lo, hi) not in trace.code:  # NOTE [One trace per model and mode]
-            graph = _segment_graph(nodes, lo + 1, hi, carries.get(lo), None if last else carries[hi])
-            trace.code[lo, hi] = _segment_code(model, trace.gm, graph)
-        segments[_PREFIX + ("output" if last else nodes[hi].name)] = _Segment(model, *trace.code[lo, hi])
+        segments[_PREFIX + ("output" if last else nodes[hi].name)] = Segment(model, trace, lo, hi, last)
     holder = nn.Sequential(segments)
     model._modules[HOLDER] = holder
     modes = {module: trace.modes[name] for name, module in model.named_modules() if name in trace.modes}
-    model.forward = _TracedForward(model, holder, signature, modes, WatchedReads(model, trace.reads))
+    model.forward = TracedForward(model, holder, signature, modes, WatchedReads(model, trace.reads))
     return [f"{HOLDER}.{name}" for name in segments]
 
 
 def uninstall(model: nn.Module) -> None:
     """Take the traced segments off ``model`` (no-op when it has none): its class's forward runs again."""
-    if isinstance(model.__dict__.get("forward"), _TracedForward):
+    if isinstance(model.__dict__.get("forward"), TracedForward):
         del model.forward
     if isinstance(model._modules.get(HOLDER), nn.Sequential):
         del model._modules[HOLDER]
