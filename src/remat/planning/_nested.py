@@ -8,10 +8,13 @@ input (the previous block's output, ``output_bytes``) unless it is the segment's
 input. In backward the segment is recomputed: blocks s..e-2 run again under their
 own plan (kept, checkpointed, or sub-segments), then the last block, recomputed
 from its input like a ``full`` block (the recomputation stops at its input: torch's
-early stop), then the backward of the rest in reverse. Every number comes from the
-profile's uniform runs (``remat.planning._solve.Chain``); after a segment's backward
-the walk continues from the live bytes the flat chain would have (the blocks' own
-forward plus backward deltas), so rounding inside a segment never leaks out of it.
+early stop), then the backward of the rest in reverse. The recomputation runs on top
+of what the last block's backward made before it began (NOTE [What a segment's last
+block makes before its recomputation] in ``remat.planning._nested_walk``). Every
+number comes from the profile's uniform runs (``remat.planning._solve.Chain``); after
+a segment's backward the walk continues from the live bytes the flat chain would have
+(the blocks' own forward plus backward deltas), so rounding inside a segment never
+leaks out of it.
 
 NOTE [Selective caches inside a segment]
 A block under torch's selective checkpoint keeps its cache (the matmul outputs it saves)
@@ -121,8 +124,9 @@ from typing import Any
 import numpy as np
 
 from remat.core._policy_registry import FULL, KEEP, SELECTIVES
-from remat.planning._nested_shared import shared_storages
-from remat.planning._nested_walk import Costs, Node, extra_time, simulate
+from remat.planning._nested_shared import made_first, shared_storages
+from remat.planning._nested_types import Costs, Node
+from remat.planning._nested_walk import extra_time, simulate
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
 
@@ -351,6 +355,7 @@ def costs_of(profile: Profile) -> Costs | None:
         _same_args(profile, ch),
         shared_storages(profile, ch, outputs=True),
         by_name[ch.blocks[0]].input_bytes,
+        made_first(profile, ch),
     )
 
 

@@ -1,10 +1,14 @@
 """Where the profile's storages that cross blocks are freed, placed in the nested walk (``Costs.shared`` and
 ``Costs.outputs``; NOTE [Storages handed to a segment from outside] and NOTE [Outputs the parent keeps that nothing
-saves] in ``remat.planning._nested_walk``)."""
+saves] in ``remat.planning._nested_walk``), and what a block's backward made before its recomputation
+(``Costs.made_first``)."""
 
 from __future__ import annotations
 
-from remat.planning._nested_walk import Place, Shared
+import numpy as np
+
+from remat.core._policy_registry import FULL
+from remat.planning._nested_types import Place, Shared
 from remat.planning._solve import Chain
 from remat.profiling._types import Key, Profile
 
@@ -65,3 +69,17 @@ def _after_free(profile: Profile, policy: str, group: list[Key], key: Key, after
             top = max(top, live + cost.excess)
         live += cost.delta + cost.cast_release
     return top
+
+
+def made_first(profile: Profile, chain: Chain) -> np.ndarray:
+    """[n]: live bytes block k's backward under ``full`` has made when its recomputation begins (NOTE [What a
+    segment's last block makes before its recomputation] in ``remat.planning._nested_walk``), as the profile
+    recorded it; in an older profile, which did not, at most its backward's peak less the recomputation's own;
+    where the full run recomputed it elsewhere or not at all, its backward's peak (on the safe side)."""
+    out = np.array(chain.bwd_peak[:, chain.policies.index(FULL)], dtype=np.int64)
+    index = {b: i for i, b in enumerate(chain.blocks)}
+    for r in profile.recomputes:
+        k = index.get(r.block)
+        if k is not None and r.index == 0 and r.at.get(FULL) == ("bwd", r.block, 0):
+            out[k] = r.before[FULL] if FULL in r.before else out[k] - r.excess.get(FULL, 0)
+    return out

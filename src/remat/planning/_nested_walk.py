@@ -30,101 +30,57 @@ holds its input, the previous block's output, until its backward, so that step f
 one the plan still holds. The walk undoes such a step's free, the step's peak after
 the free raised by the output's size; the segment input's free is left to the first
 block's backward in its run (never freed by the walk where that run keeps it: safe).
+A recomputation of the segment runs its first block under that block's own policy, and
+that policy's run may free the input in the block's forward (a Dropout kept inside the
+segment saves only its mask), while the segment still holds it: taken unchanged, that
+step freed it through the rest of the segment's backward (flat Sequentials of Dropout,
+BufferBlock and Linear at the nested floor: measured one input, 3072 B, over the walk).
+The walk undoes that free too, and frees the input at the end of the first block's
+backward, where the segment lets go of it (live through that step: safe, by at most
+its size there; where the block before holds its own output, that block's backward
+frees it, and this free cancels what the walk added back for it there).
+
+NOTE [What a segment's last block makes before its recomputation]
+A segment is recomputed when the backward of its last block first reads a tensor the
+region saved; whatever that backward made before (the gradient of a view written in place:
+``CopySlices`` allocates the base's gradient and a copy of it, two outputs, before its
+first read) stays live through the recomputation of every block before it. The full
+run of that block made the same bytes before recomputing the block alone, so the profile
+records them (``Recompute.before``, ``Costs.made_first``), and the walk's backward step of
+the block, taken from that run, includes them; the recomputation of blocks s..e-2 before
+it did not (a segment ending at a block whose output is ``y.mul_(0.5).relu_()``:
+predicted 3840 B under the measured peak). So every step of a segment's recomputation
+peaks that many bytes higher (``Step.tail``): exact where it is recorded. A profile saved
+before remat recorded it bounds it by the block's backward peak less its recomputation's,
+and a block the full run did not recompute in its own backward by its backward peak.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from remat.core._policy_registry import KEEP
-from remat.planning._solve import Chain
+from remat.planning._nested_types import Costs, Node, Place, Step
 
 _NEVER = 1 << 62
-Place = tuple[str, int]
-"""Where in the step: ("pre", -1), ("fwd", k) (block k's forward and the glue after it), ("post", -1) (the
-backward glue before the last block's backward), ("bwd", k)."""
 
 
-@dataclass(frozen=True)
-class Node:
-    """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
-
-    start: int
-    policy: int = -1
-    end: int | None = None
-    children: tuple[Node, ...] = ()
-
-
-@dataclass(frozen=True)
-class Shared:
-    """A storage made outside the blocks and handed to some of them (NOTE [Storages handed to a segment from
-    outside])."""
-
-    nbytes: int
-    receivers: tuple[int, ...]
-    """Chain indices of the blocks that receive it."""
-    freed: dict[int, Place | None]
-    """Per policy index: where that policy's run freed it (None: it outlived the step)."""
-    after: dict[int, int]
-    """Per policy index: most live bytes above that place's start after the free, in that run."""
-
-
-@dataclass(frozen=True)
-class Costs:
-    """The chain plus what nested plans need: output bytes and forward time per block."""
-
-    chain: Chain
-    out: np.ndarray
-    fwd_s: np.ndarray
-    full: int
-    holds: np.ndarray | None = None
-    """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
-    inside: np.ndarray | None = None
-    """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
-    chained: np.ndarray | None = None
-    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
-    may be inside a segment; None: every one."""
-    shared: tuple[Shared, ...] = field(default=())
-    """Storages the parent hands to blocks whose holders depend on the plan."""
-    writes: np.ndarray | None = None
-    """[n]: the block writes its input in place (NOTE [Inputs written in place inside a segment]); None: none."""
-    same_args: np.ndarray | None = None
-    """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
-    segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
-    outputs: tuple[Shared, ...] = field(default=())
-    """The blocks' outputs, each run's free placed in the walk; ``receivers``: the block that made it."""
-    first_input: int = 0
-    """Bytes of the first block's input, made outside the chain."""
-
-
-@dataclass(frozen=True)
-class _Step:
-    place: Place
-    run: int
-    """The policy index of the uniform run the step is taken from."""
-    delta: int
-    peak: int
-    again: bool = False
-    """A recomputation (a segment's forward rerun in its backward)."""
-
-
-def _fwd_record(c: Costs, nodes: tuple[Node, ...], steps: list[_Step], again: bool) -> None:
+def _fwd_record(c: Costs, nodes: tuple[Node, ...], steps: list[Step], tail: int) -> None:
+    """The forward of ``nodes``: the first (``tail`` -1) or the recomputation of the segment ending at ``tail``."""
     ch = c.chain
     for node in nodes:
         if node.end is None:
             k, p = node.start, node.policy
-            steps.append(_Step(("fwd", k), p, int(ch.fwd_delta[k, p]), int(ch.fwd_peak[k, p]), again))
+            steps.append(Step(("fwd", k), p, int(ch.fwd_delta[k, p]), int(ch.fwd_peak[k, p]), tail >= 0, tail))
         else:
-            _fwd_nosave(c, node.start, node.end, steps, again)
+            _fwd_nosave(c, node.start, node.end, steps, tail)
 
 
-def _fwd_nosave(c: Costs, s: int, e: int, steps: list[_Step], again: bool) -> None:
+def _fwd_nosave(c: Costs, s: int, e: int, steps: list[Step], tail: int) -> None:
     ch, f = c.chain, c.full
     for k in range(s, e):
         delta = int(ch.fwd_delta[k, f]) - (int(c.out[k - 1]) if k > s else 0)
-        steps.append(_Step(("fwd", k), f, delta, int(ch.fwd_peak[k, f]), again))
+        steps.append(Step(("fwd", k), f, delta, int(ch.fwd_peak[k, f]), tail >= 0, tail))
 
 
 def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[int, bool]:
@@ -138,7 +94,7 @@ def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[in
     return out
 
 
-def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], steps: list[_Step]) -> None:
+def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], steps: list[Step]) -> None:
     """Block k's backward as in ``policy``'s run, with its input freed where the plan frees it: that run's
     previous block may have kept it (then this block's delta does not free it) where the plan's does not."""
     ch = c.chain
@@ -148,25 +104,25 @@ def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], steps: lis
     if k > 0 and c.holds is not None:
         in_run, in_plan = bool(c.holds[k - 1, policy]), holds.get(k - 1, False)
         delta += (int(c.out[k - 1]) if in_plan else 0) - (int(c.out[k - 1]) if in_run else 0)
-    steps.append(_Step(("bwd", k), policy, delta, int(ch.bwd_peak[k, policy])))
+    steps.append(Step(("bwd", k), policy, delta, int(ch.bwd_peak[k, policy])))
 
 
-def _bwd(c: Costs, nodes: tuple[Node, ...], holds: dict[int, bool], steps: list[_Step]) -> None:
+def _bwd(c: Costs, nodes: tuple[Node, ...], holds: dict[int, bool], steps: list[Step]) -> None:
     for node in reversed(nodes):
         if node.end is None:
             _block_bwd(c, node.start, node.policy, holds, steps)
             continue
-        _fwd_record(c, node.children, steps, True)
+        _fwd_record(c, node.children, steps, node.end - 1)
         _block_bwd(c, node.end - 1, c.full, holds, steps)
         _bwd(c, node.children, holds, steps)
 
 
-def _walk(c: Costs, nodes: tuple[Node, ...]) -> list[_Step]:
+def _walk(c: Costs, nodes: tuple[Node, ...]) -> list[Step]:
     ch = c.chain
-    steps: list[_Step] = []
-    _fwd_record(c, nodes, steps, False)
+    steps: list[Step] = []
+    _fwd_record(c, nodes, steps, -1)
     post = int(np.argmax(ch.post_delta))
-    steps.append(_Step(("post", -1), post, int(ch.post_delta.max()), int(ch.post_peak.max())))
+    steps.append(Step(("post", -1), post, int(ch.post_delta.max()), int(ch.post_peak.max())))
     _bwd(c, nodes, _holders(c, nodes, {}), steps)
     return steps
 
@@ -182,7 +138,7 @@ def _policies(nodes: tuple[Node, ...]) -> dict[int, int | None]:
     return out
 
 
-def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Per step index: (bytes added to its delta, least its peak reaches) for ``c.shared`` (NOTE [Storages
     handed to a segment from outside])."""
     if not c.shared:
@@ -233,7 +189,7 @@ def _leaves(nodes: tuple[Node, ...], out: dict[int, int]) -> dict[int, int]:
     return out
 
 
-def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
     """A selective block inside a segment keeps a cache from every forward of it but its own last recomputation
     until its backward (NOTE [Selective caches inside a segment] in remat.planning._nested): per step index,
     (bytes added to its delta, least its peak reaches)."""
@@ -266,7 +222,7 @@ def _segments_over(nodes: tuple[Node, ...], k: int, depth: int = 0) -> tuple[int
     return depth, None
 
 
-def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Copies of a written input a block inside a segment, or right after one, makes (NOTE [Inputs written in
     place inside a segment] in remat.planning._nested), per step index: on the safe side, one per region that
     holds the block and one more, live from the outermost segment's forward to the end of the step."""
@@ -309,7 +265,7 @@ def _written_inside(c: Costs, nodes: tuple[Node, ...], k: int) -> bool:
     return same and all(node is not None and node.policy == keep for node in (own, own_before))
 
 
-def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict[int, tuple[int, int]]:
+def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Outputs a segment let go of in its forward that a later step's run frees (NOTE [Outputs the parent
     keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
     # block -> (from which forward, from which backward no step frees its output): a top-level segment's
@@ -336,18 +292,59 @@ def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[_Step]) -> dict
     return out
 
 
+def _starts(nodes: tuple[Node, ...], out: set[int]) -> set[int]:
+    """The blocks a segment, at any depth, begins at."""
+    for node in nodes:
+        if node.end is not None:
+            out.add(node.start)
+            _starts(node.children, out)
+    return out
+
+
+def _inputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
+    """A segment's input that a recomputation's run frees at the first block's forward, held by the segment until
+    that block's backward (NOTE [Outputs the parent keeps that nothing saves]): per step index, (bytes added to
+    its delta, least its peak reaches)."""
+    starts = _starts(nodes, set())
+    out: dict[int, tuple[int, int]] = {}
+    for o in c.outputs:
+        s = o.receivers[0] + 1
+        place = ("fwd", s)
+        frees = [
+            i for i, step in enumerate(steps) if step.again and step.place == place and o.freed.get(step.run) == place
+        ]
+        if s not in starts or not frees:
+            continue
+        for i in frees:
+            d, least = out.get(i, (0, 0))
+            out[i] = (d + o.nbytes, max(least, o.after[steps[i].run] + d + o.nbytes))
+        at = next(i for i, step in enumerate(steps) if step.place == ("bwd", s))
+        d, least = out.get(at, (0, 0))
+        out[at] = (d - o.nbytes, max(least, steps[at].peak))  # live through the whole step: safe
+    return out
+
+
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
     steps = _walk(c, nodes)
     fixes = _shared_fixes(c, nodes, steps)
-    for extra in (_selective_caches(c, nodes, steps), _written_inputs(c, nodes, steps), _outputs_gone(c, nodes, steps)):
+    for extra in (
+        _selective_caches(c, nodes, steps),
+        _written_inputs(c, nodes, steps),
+        _outputs_gone(c, nodes, steps),
+        _inputs_held(c, nodes, steps),
+    ):
         for i, (d, least) in extra.items():
             d0, least0 = fixes.get(i, (0, 0))
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
+    made = c.made_first if c.made_first is not None else np.zeros(len(c.chain.blocks), dtype=np.int64)
     live, top = c.chain.start, c.chain.pre_peak
     for i, step in enumerate(steps):
         added, least = fixes.get(i, (0, 0))
-        top = max(top, live + step.peak, live + least)
+        # a recomputation runs on top of what the backward that began it has made (NOTE [What a segment's last
+        # block makes before its recomputation])
+        below = int(made[step.tail]) if step.tail >= 0 else 0
+        top = max(top, live + below + max(step.peak, least))
         live += step.delta + added
     return top
 

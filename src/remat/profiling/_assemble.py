@@ -197,6 +197,7 @@ def _recomputes(
                 excess={p: r["excess"] for p, r in ran.items()},
                 freed_after={p: sum(nb for _, _, nb in r["frees"]) for p, r in ran.items()},
                 swap=swap_excesses(block, ran, trajectories, crowded) if trajectories else {},
+                before={p: r["before"] for p, r in ran.items()},
             )
         )
     return out

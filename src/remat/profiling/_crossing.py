@@ -150,6 +150,10 @@ class Recompute:
     swap: dict[str, dict[str, int]] = field(default_factory=dict)
     """Where it runs outside its block's backward: the excess of the segment hosting it, taken from the run of
     policy q, when the block's policy is m instead (swap[q][m]); empty where not known (NOTE below)."""
+    before: dict[str, int] = field(default_factory=dict)
+    """Per policy: live bytes above the start of the segment hosting it when it began (what that segment made
+    first: the gradients a backward computes before it reads a saved tensor); empty in older profiles (NOTE
+    [What a segment's last block makes before its recomputation] in remat.planning._nested_walk)."""
 
     def to_json(self) -> dict:
         return {
@@ -160,6 +164,7 @@ class Recompute:
             "excess": self.excess,
             "freed_after": self.freed_after,
             "swap": self.swap,
+            "before": self.before,
         }
 
     def kept(self, policy: str) -> int:
@@ -176,6 +181,7 @@ class Recompute:
             {p: int(v) for p, v in data["excess"].items()},
             {p: int(v) for p, v in data.get("freed_after", {}).items()},
             {q: {m: int(v) for m, v in row.items()} for q, row in data.get("swap", {}).items()},
+            {p: int(v) for p, v in data.get("before", {}).items()},
         )
 
 

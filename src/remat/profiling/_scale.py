@@ -92,6 +92,7 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
             excess=per_policy(r.excess, s.excess),
             freed_after=per_policy(r.freed_after, s.freed_after),
             swap=_scaled_swap(r.swap, s.swap, nbytes),
+            before=per_policy(r.before, s.before),
         )
         for r, s in zip(p1.recomputes, p2.recomputes)
     ]

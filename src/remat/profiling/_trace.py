@@ -305,6 +305,7 @@ class SegmentRecorder:
             "segment": self._current.key,
             "delta": self._live() - begun,
             "excess": max(top, self._live()) - begun,
+            "before": begun - self._current.start_live,
             "allocs": allocs,
             "span": span,
             "frees": [],

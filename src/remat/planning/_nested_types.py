@@ -1,0 +1,85 @@
+"""The data of the nested walk (``remat.planning._nested_walk``): the plan's nodes, the chain's costs, the walk's
+steps; NOTEs named without a module are in ``remat.planning._nested``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from remat.planning._solve import Chain
+
+Place = tuple[str, int]
+"""Where in the step: ("pre", -1), ("fwd", k) (block k's forward and the glue after it), ("post", -1) (the
+backward glue before the last block's backward), ("bwd", k)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """A block under a policy (``end`` is None) or a segment of blocks start..end-1 with ``children``."""
+
+    start: int
+    policy: int = -1
+    end: int | None = None
+    children: tuple[Node, ...] = ()
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A storage made outside the blocks and handed to some of them (NOTE [Storages handed to a segment from
+    outside] in remat.planning._nested_walk)."""
+
+    nbytes: int
+    receivers: tuple[int, ...]
+    """Chain indices of the blocks that receive it."""
+    freed: dict[int, Place | None]
+    """Per policy index: where that policy's run freed it (None: it outlived the step)."""
+    after: dict[int, int]
+    """Per policy index: most live bytes above that place's start after the free, in that run."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The chain plus what nested plans need: output bytes and forward time per block."""
+
+    chain: Chain
+    out: np.ndarray
+    fwd_s: np.ndarray
+    full: int
+    holds: np.ndarray | None = None
+    """[n, P]: in the run of that policy, the block keeps its own output until its backward (a ReLU's)."""
+    inside: np.ndarray | None = None
+    """[P]: a block may take that policy inside a segment (NOTE [Selective caches inside a segment]); None: any."""
+    chained: np.ndarray | None = None
+    """[n]: only the next block reads the block's output (NOTE [What the parent does with a block's output]), so it
+    may be inside a segment; None: every one."""
+    shared: tuple[Shared, ...] = field(default=())
+    """Storages the parent hands to blocks whose holders depend on the plan."""
+    writes: np.ndarray | None = None
+    """[n]: the block writes its input in place (NOTE [Inputs written in place inside a segment]); None: none."""
+    same_args: np.ndarray | None = None
+    """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
+    segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
+    outputs: tuple[Shared, ...] = field(default=())
+    """The blocks' outputs, each run's free placed in the walk; ``receivers``: the block that made it."""
+    first_input: int = 0
+    """Bytes of the first block's input, made outside the chain."""
+    made_first: np.ndarray | None = None
+    """[n]: live bytes block k's backward under ``full`` has made when its recomputation begins (NOTE [What a
+    segment's last block makes before its recomputation] in remat.planning._nested_walk); None: none."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the walk: a block's forward or backward (or the glue) taken from one uniform run."""
+
+    place: Place
+    run: int
+    """The policy index of the uniform run the step is taken from."""
+    delta: int
+    peak: int
+    again: bool = False
+    """A recomputation (a segment's forward rerun in its backward)."""
+    tail: int = -1
+    """In a recomputation: the last block of the segment recomputed, whose backward began it (NOTE [What a
+    segment's last block makes before its recomputation] in remat.planning._nested_walk); else -1."""
