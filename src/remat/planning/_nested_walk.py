@@ -28,17 +28,18 @@ output in their place), so taken unchanged that step freed them a second time
 (a segment over a block whose output is a view: predicted one output low); and it
 holds its input, the previous block's output, until its backward, so that step freed
 one the plan still holds. The walk undoes such a step's free, the step's peak after
-the free raised by the output's size; the segment input's free is left to the first
-block's backward in its run (never freed by the walk where that run keeps it: safe).
-A recomputation of the segment runs its first block under that block's own policy, and
-that policy's run may free the input in the block's forward (a Dropout kept inside the
-segment saves only its mask), while the segment still holds it: taken unchanged, that
-step freed it through the rest of the segment's backward (flat Sequentials of Dropout,
-BufferBlock and Linear at the nested floor: measured one input, 3072 B, over the walk).
-The walk undoes that free too, and frees the input at the end of the first block's
-backward, where the segment lets go of it (live through that step: safe, by at most
-its size there; where the block before holds its own output, that block's backward
-frees it, and this free cancels what the walk added back for it there).
+the free raised by the output's size. The segment holds its input through its blocks'
+recomputations too, where the keep run of a block that does not save its input (a
+traced unit that begins with a tanh) frees it in the glue after the block (nested plans
+on traced models: one output low), as does a block outside segments that keeps its
+output under the plan (a selective cache) past the next block's keep run. So every
+run's free of it from the segment's forward (or that block's) to the next block's
+backward is undone, and that backward frees it where its own run freed it elsewhere
+(``_block_bwd`` takes it to be there): live through that step, safe by its size there.
+Recomputations run the segment's first block under its own policy, whose run may free the
+input in the block's forward too (a Dropout kept inside the segment saves only its mask:
+flat Sequentials of Dropout, BufferBlock and Linear at the nested floor measured one input,
+3072 B, over the walk); that free is undone the same way.
 
 NOTE [What a segment's last block makes before its recomputation]
 A segment is recomputed when the backward of its last block first reads a tensor the
@@ -60,7 +61,7 @@ from __future__ import annotations
 import numpy as np
 
 from remat.core._policy_registry import KEEP
-from remat.planning._nested_types import Costs, Node, Place, Step
+from remat.planning._nested_types import Costs, Node, Place, Shared, Step
 
 _NEVER = 1 << 62
 
@@ -266,17 +267,14 @@ def _written_inside(c: Costs, nodes: tuple[Node, ...], k: int) -> bool:
 
 
 def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
-    """Outputs a segment let go of in its forward that a later step's run frees (NOTE [Outputs the parent
-    keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
+    """Outputs a segment let go of in its forward, or a holder keeps, that a step's run frees (NOTE [Outputs
+    the parent keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
     # block -> (from which forward, from which backward no step frees its output): a top-level segment's
-    # outputs but the last are gone from its end on; its input is held until the segment's backward is
-    # done, which frees it at its first block's backward (the keep run's free there stands)
+    # outputs but the last are gone from its end on
     gone: dict[int, tuple[int, int]] = {}
     for node in nodes:
         if node.end is not None:
             gone.update(dict.fromkeys(range(node.start, node.end - 1), (node.end, node.end)))
-            if node.start > 0:
-                gone[node.start - 1] = (node.start, node.start + 1)
     out: dict[int, tuple[int, int]] = {}
     for o in c.outputs:
         k = o.receivers[0]
@@ -287,41 +285,45 @@ def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[
             kind, at = step.place
             after = kind == "post" or (kind == "bwd" and at >= bwd_from) or (kind != "bwd" and at >= fwd_from)
             if not step.again and after and o.freed.get(step.run) == step.place:
-                d, least = out.get(i, (0, 0))
-                out[i] = (d + o.nbytes, max(least, o.after[step.run] + d + o.nbytes))
+                _undo_free(out, i, o, step.run)
+    _inputs_held(c, nodes, steps, out)
     return out
 
 
-def _starts(nodes: tuple[Node, ...], out: set[int]) -> set[int]:
-    """The blocks a segment, at any depth, begins at."""
+def _undo_free(out: dict[int, tuple[int, int]], i: int, o: Shared, run: int) -> None:
+    d, least = out.get(i, (0, 0))
+    out[i] = (d + o.nbytes, max(least, o.after[run] + d + o.nbytes))
+
+
+def _segment_starts(nodes: tuple[Node, ...], out: dict[int, int], depth: int = 1) -> dict[int, int]:
+    """Block -> the depth of the outermost segment that begins at it (the others end with its backward too)."""
     for node in nodes:
         if node.end is not None:
-            out.add(node.start)
-            _starts(node.children, out)
+            out.setdefault(node.start, depth)
+            _segment_starts(node.children, out, depth + 1)
     return out
 
 
-def _inputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
-    """A segment's input that a recomputation's run frees at the first block's forward, held by the segment until
-    that block's backward (NOTE [Outputs the parent keeps that nothing saves]): per step index, (bytes added to
-    its delta, least its peak reaches)."""
-    starts = _starts(nodes, set())
-    out: dict[int, tuple[int, int]] = {}
+def _inputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], out: dict[int, tuple[int, int]]) -> None:
+    """Block k-1's output held past a run's free of it by a segment that begins at block k (from the segment's
+    forward: the depth-th forward of block k in the walk) or by block k-1, outside every segment, from its
+    forward on; block k's backward frees it where its run did not."""
+    starts, holds, policy = _segment_starts(nodes, {}), _holders(c, nodes, {}), _policies(nodes)
     for o in c.outputs:
-        s = o.receivers[0] + 1
-        place = ("fwd", s)
-        frees = [
-            i for i, step in enumerate(steps) if step.again and step.place == place and o.freed.get(step.run) == place
-        ]
-        if s not in starts or not frees:
+        k = o.receivers[0] + 1
+        if k in starts:
+            begin = [i for i, step in enumerate(steps) if step.place == ("fwd", k)][starts[k] - 1]
+        elif k < len(c.chain.blocks) and policy.get(k - 1) is not None and holds[k - 1]:
+            begin = next(i for i, step in enumerate(steps) if step.place == ("fwd", k))
+        else:
             continue
-        for i in frees:
-            d, least = out.get(i, (0, 0))
-            out[i] = (d + o.nbytes, max(least, o.after[steps[i].run] + d + o.nbytes))
-        at = next(i for i, step in enumerate(steps) if step.place == ("bwd", s))
-        d, least = out.get(at, (0, 0))
-        out[at] = (d - o.nbytes, max(least, steps[at].peak))  # live through the whole step: safe
-    return out
+        end = next(i for i, step in enumerate(steps) if step.place == ("bwd", k))
+        for i in range(begin, end):
+            if o.freed.get(steps[i].run) == steps[i].place and (k in starts or steps[i].place[0] == "fwd"):
+                _undo_free(out, i, o, steps[i].run)
+        if o.freed.get(steps[end].run) not in (("bwd", k), ("bwd", k - 1), None):  # None: it outlived the step
+            d, least = out.get(end, (0, 0))
+            out[end] = (d - o.nbytes, least)  # with block k's backward (live through all of it: safe)
 
 
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
@@ -332,7 +334,6 @@ def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
         _selective_caches(c, nodes, steps),
         _written_inputs(c, nodes, steps),
         _outputs_gone(c, nodes, steps),
-        _inputs_held(c, nodes, steps),
     ):
         for i, (d, least) in extra.items():
             d0, least0 = fixes.get(i, (0, 0))
