@@ -934,13 +934,28 @@ class _LogSumExp(nn.Module):
         return x.logsumexp(-1).mean()
 
 
-def _norm_buffers(model: nn.Sequential, segments) -> int:
-    """Bytes of the BatchNorm buffers inside each segment, once per segment holding them: what the segments copy
-    for their recomputations and the walk does not count (NOTE [Inputs written in place inside a segment])."""
+def _counters(model: nn.Sequential, segments) -> int:
+    """Bytes of the BatchNorm counters inside each segment, once per segment holding them: the walk keeps the copy a
+    recomputation runs on until a kept norm's backward, the counter too, which the norm does not save (NOTE [Buffers
+    a region keeps for its recomputation] in remat.planning._nested_copies)."""
     blocks = dict(model.named_children())
     names = list(blocks)
     held = [blocks[b] for first, last in segments for b in names[names.index(first) : names.index(last) + 1]]
-    return sum(t.numel() * t.element_size() for m in held if isinstance(m, nn.BatchNorm2d) for t in m.buffers())
+    return sum(m.num_batches_tracked.nbytes for m in held if isinstance(m, nn.BatchNorm2d))
+
+
+def _flatten_views(model: nn.Sequential, x: torch.Tensor, segments) -> int:
+    """Bytes of the Flatten's output (a view of the pooled tensor) once per segment that holds it and the Linear
+    after it: a segment's forward, which keeps no block's output, lets go of that storage at both blocks after its
+    maker in the walk, once in the step (a separate gap, under by that much; the floor's walk took it within the
+    BatchNorm buffers the test allowed before they were counted)."""
+    blocks = dict(model.named_children())
+    names = list(blocks)
+    flat = next(i for i, m in enumerate(blocks.values()) if isinstance(m, nn.Flatten))
+    spans = [(names.index(first), names.index(last)) for first, last in segments]
+    channels = [m for m in model if isinstance(m, nn.BatchNorm2d)][-1].num_features
+    pooled = x.shape[0] * channels * x.element_size()  # (N, C, 1, 1)
+    return pooled * sum(1 for lo, hi in spans if lo <= flat < hi)
 
 
 def test_a_flat_conv_chain_of_in_place_relus_gets_nested_plans_predicted_to_its_buffers():
@@ -964,13 +979,13 @@ def test_a_flat_conv_chain_of_in_place_relus_gets_nested_plans_predicted_to_its_
             measured = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
         finally:
             remat.remove(model)
-        slack = _norm_buffers(model, plan.segments)
-        assert plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes + slack, (plan, measured)
+        slack, views = _counters(model, plan.segments), _flatten_views(model, x, plan.segments)
+        assert plan.predicted_peak_bytes - slack <= measured <= plan.predicted_peak_bytes + views, (plan, measured)
 
 
 def test_every_hand_made_segment_over_a_conv_chain_of_in_place_relus_is_predicted_safe():
-    # The walk's rule for writers inside a segment, each shape by hand: never under but for the buffers
-    # (NOTE [Inputs written in place inside a segment]), where the planner's own rule allows the shape or not.
+    # The walk's rule for writers inside a segment, each shape by hand: never under (NOTE [Inputs written in place
+    # inside a segment]), where the planner's own rule allows the shape or not.
     torch.manual_seed(0)
     model, x = _vgg((8, 8)), torch.randn(8, 3, 16, 16)
     prof = remat.profile(model, x, repeat=1, warmup=0)
@@ -987,4 +1002,4 @@ def test_every_hand_made_segment_over_a_conv_chain_of_in_place_relus_is_predicte
     shapes = [segment(i, j) for i in range(6) for j in range(i + 1, 7)]
     spans = [((names[i], names[j]),) for i in range(6) for j in range(i + 1, 7)]
     for span, (predicted, measured) in zip(spans, _hand_made(model, x, prof, shapes), strict=True):
-        assert measured <= predicted + _norm_buffers(model, span), (span, predicted, measured)
+        assert measured <= predicted, (span, predicted, measured)

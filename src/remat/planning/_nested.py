@@ -53,10 +53,9 @@ nor ends before one, and inside a segment such a block and the one before it are
 do otherwise: the walk then counts, for such a writer, one copy of its input per region
 that holds it and one more (the written input itself), live from the outermost segment's
 forward to the end of the step: over by at most that many inputs (none to three on
-generated chains), never under. The walk does not count the copies of BatchNorm buffers
-each segment keeps for its recomputation (their values as the forward saw them): under by
-those bytes, once per segment holding the norm (0.05% of a conv chain's nested floor),
-which auto's verification measures and plans around.
+generated chains), never under. The copies of BatchNorm's buffers each region keeps for its
+recomputation (their values as the forward saw them) the walk counts as NOTE [Buffers a
+region keeps for its recomputation] in ``remat.planning._nested_copies`` places them.
 
 NOTE [The nested DP]
 Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``
@@ -124,6 +123,7 @@ from typing import Any
 import numpy as np
 
 from remat.core._policy_registry import FULL, KEEP, SELECTIVES
+from remat.planning._nested_copies import copies_of
 from remat.planning._nested_shared import made_first, shared_storages
 from remat.planning._nested_types import Costs, Node
 from remat.planning._nested_walk import extra_time, simulate
@@ -356,6 +356,7 @@ def costs_of(profile: Profile) -> Costs | None:
         shared_storages(profile, ch, outputs=True),
         by_name[ch.blocks[0]].input_bytes,
         made_first(profile, ch),
+        copies_of(profile, ch),
     )
 
 

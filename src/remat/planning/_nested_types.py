@@ -67,6 +67,10 @@ class Costs:
     made_first: np.ndarray | None = None
     """[n]: live bytes block k's backward under ``full`` has made when its recomputation begins (NOTE [What a
     segment's last block makes before its recomputation] in remat.planning._nested_walk); None: none."""
+    copies: np.ndarray | None = None
+    """[n, P]: bytes of the copies of buffers block k's region keeps from its forward to its backward in the run of
+    that policy (NOTE [Buffers a region keeps for its recomputation] in remat.planning._nested_copies); None: not
+    recorded."""
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,23 @@ one the plan still holds. The walk undoes such a step's free, the step's peak af
 the free raised by the output's size. The segment holds its input through its blocks'
 recomputations too, where the keep run of a block that does not save its input (a
 traced unit that begins with a tanh) frees it in the glue after the block (nested plans
-on traced models: one output low), as does a block outside segments that keeps its
-output under the plan (a selective cache) past the next block's keep run. So every
-run's free of it from the segment's forward (or that block's) to the next block's
-backward is undone, and that backward frees it where its own run freed it elsewhere
+on traced models: one output low). So every run's free of it from the segment's forward
+to the first block's backward is undone, and that backward frees it where its own run freed it elsewhere
 (``_block_bwd`` takes it to be there): live through that step, safe by its size there.
 Recomputations run the segment's first block under its own policy, whose run may free the
 input in the block's forward too (a Dropout kept inside the segment saves only its mask:
 flat Sequentials of Dropout, BufferBlock and Linear at the nested floor measured one input,
 3072 B, over the walk); that free is undone the same way.
+
+NOTE [A block that holds its output before one that lets go of it]
+A block whose run keeps its own output until its backward (``Costs.holds``: a Linear's
+output that "selective" caches) followed by one whose run lets go of its input in its
+forward (a Dropout under keep saves only its mask): the keep run frees that output in the
+Dropout's forward, where nothing holds it, and the walk took that free while the plan's
+block still held it (the blocks' outputs between, at top level or in a recomputation:
+predicted one output, 8192 B, under the measured peak). The walk undoes that free (the
+step's peak after it raised by the output), and the next block's backward, whose run
+never held it, no longer adds it back; the block's own backward frees it.
 
 NOTE [What a segment's last block makes before its recomputation]
 A segment is recomputed when the backward of its last block first reads a tensor the
@@ -61,6 +69,7 @@ from __future__ import annotations
 import numpy as np
 
 from remat.core._policy_registry import KEEP
+from remat.planning._nested_copies import buffer_copies_at_peak, holders
 from remat.planning._nested_types import Costs, Node, Place, Shared, Step
 
 _NEVER = 1 << 62
@@ -102,10 +111,35 @@ def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], steps: lis
     if ch.bwd_delta is None:
         raise RuntimeError("a nested view's chain has its backward deltas (remat.planning._solve.chain_profile)")
     delta = int(ch.bwd_delta[k, policy])
-    if k > 0 and c.holds is not None:
+    made = _output_of(c, k - 1)
+    # a run that let go of the input in this block's forward never frees it here (NOTE [A block that holds its
+    # output before one that lets go of it])
+    if k > 0 and c.holds is not None and (made is None or made.freed.get(policy) != ("fwd", k)):
         in_run, in_plan = bool(c.holds[k - 1, policy]), holds.get(k - 1, False)
         delta += (int(c.out[k - 1]) if in_plan else 0) - (int(c.out[k - 1]) if in_run else 0)
     steps.append(Step(("bwd", k), policy, delta, int(ch.bwd_peak[k, policy])))
+
+
+def _output_of(c: Costs, j: int) -> Shared | None:
+    """Block j's output among ``c.outputs`` (None: not there)."""
+    return next((o for o in c.outputs if o.receivers[0] == j), None)
+
+
+def _outputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], tail: int = -1) -> dict[int, tuple[int, int]]:
+    """Outputs of a block that holds them until its backward, freed by the next block's run in its forward (NOTE
+    [A block that holds its output before one that lets go of it]): per step index, (bytes added to its delta,
+    least its peak reaches)."""
+    out: dict[int, tuple[int, int]] = {}
+    for a, b in zip(nodes, nodes[1:]):
+        o = _output_of(c, a.start)
+        if a.end is None and b.end is None and c.holds is not None and o is not None:
+            if bool(c.holds[a.start, a.policy]) and o.freed.get(b.policy) == ("fwd", b.start):
+                at = next(i for i, s in enumerate(steps) if s.place == ("fwd", b.start) and s.tail == tail)
+                out[at] = (o.nbytes, o.after[b.policy] + o.nbytes)
+    for node in nodes:
+        if node.end is not None:
+            out.update(_outputs_held(c, node.children, steps, node.end - 1))
+    return out
 
 
 def _bwd(c: Costs, nodes: tuple[Node, ...], holds: dict[int, bool], steps: list[Step]) -> None:
@@ -243,17 +277,6 @@ def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dic
     return out
 
 
-def _leaf(nodes: tuple[Node, ...], k: int) -> tuple[list[Node], Node | None]:
-    """(the segments that hold block k, outermost first; its own node, None for a segment's last block)."""
-    path: list[Node] = []
-    while True:
-        holder = next((n for n in nodes if n.start <= k < (n.end if n.end is not None else n.start + 1)), None)
-        if holder is None or holder.end is None:
-            return path, holder
-        path.append(holder)
-        nodes = holder.children
-
-
 def _written_inside(c: Costs, nodes: tuple[Node, ...], k: int) -> bool:
     """Block k writes its input inside every segment that holds it, which all hold block k-1 too, and neither
     block is a region of its own or a segment's last (both under keep): the write is on a tensor the segments
@@ -261,7 +284,7 @@ def _written_inside(c: Costs, nodes: tuple[Node, ...], k: int) -> bool:
     if k == 0 or KEEP not in c.chain.policies:
         return False
     keep = c.chain.policies.index(KEEP)
-    (held, own), (held_before, own_before) = _leaf(nodes, k), _leaf(nodes, k - 1)
+    (held, own), (held_before, own_before) = holders(nodes, k), holders(nodes, k - 1)
     same = bool(held) and len(held) == len(held_before) and all(a is b for a, b in zip(held, held_before))
     return same and all(node is not None and node.policy == keep for node in (own, own_before))
 
@@ -305,21 +328,19 @@ def _segment_starts(nodes: tuple[Node, ...], out: dict[int, int], depth: int = 1
 
 
 def _inputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], out: dict[int, tuple[int, int]]) -> None:
-    """Block k-1's output held past a run's free of it by a segment that begins at block k (from the segment's
-    forward: the depth-th forward of block k in the walk) or by block k-1, outside every segment, from its
-    forward on; block k's backward frees it where its run did not."""
-    starts, holds, policy = _segment_starts(nodes, {}), _holders(c, nodes, {}), _policies(nodes)
+    """Block k-1's output held past a run's free of it by a segment that begins at block k, from the segment's
+    forward (the depth-th forward of block k in the walk); block k's backward frees it where its run did not (a
+    block outside segments that holds its output: NOTE [A block that holds its output before one that lets go of
+    it], ``_outputs_held``)."""
+    starts = _segment_starts(nodes, {})
     for o in c.outputs:
         k = o.receivers[0] + 1
-        if k in starts:
-            begin = [i for i, step in enumerate(steps) if step.place == ("fwd", k)][starts[k] - 1]
-        elif k < len(c.chain.blocks) and policy.get(k - 1) is not None and holds[k - 1]:
-            begin = next(i for i, step in enumerate(steps) if step.place == ("fwd", k))
-        else:
+        if k not in starts:
             continue
+        begin = [i for i, step in enumerate(steps) if step.place == ("fwd", k)][starts[k] - 1]
         end = next(i for i, step in enumerate(steps) if step.place == ("bwd", k))
         for i in range(begin, end):
-            if o.freed.get(steps[i].run) == steps[i].place and (k in starts or steps[i].place[0] == "fwd"):
+            if o.freed.get(steps[i].run) == steps[i].place:
                 _undo_free(out, i, o, steps[i].run)
         if o.freed.get(steps[end].run) not in (("bwd", k), ("bwd", k - 1), None):  # None: it outlived the step
             d, least = out.get(end, (0, 0))
@@ -334,18 +355,20 @@ def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
         _selective_caches(c, nodes, steps),
         _written_inputs(c, nodes, steps),
         _outputs_gone(c, nodes, steps),
+        _outputs_held(c, nodes, steps),
     ):
         for i, (d, least) in extra.items():
             d0, least0 = fixes.get(i, (0, 0))
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
     made = c.made_first if c.made_first is not None else np.zeros(len(c.chain.blocks), dtype=np.int64)
+    copies = buffer_copies_at_peak(c, nodes, steps)  # NOTE [Buffers a region keeps for its recomputation]
     live, top = c.chain.start, c.chain.pre_peak
     for i, step in enumerate(steps):
         added, least = fixes.get(i, (0, 0))
         # a recomputation runs on top of what the backward that began it has made (NOTE [What a segment's last
         # block makes before its recomputation])
         below = int(made[step.tail]) if step.tail >= 0 else 0
-        top = max(top, live + below + max(step.peak, least))
+        top = max(top, live + below + int(copies[i]) + max(step.peak, least))
         live += step.delta + added
     return top
 

@@ -303,6 +303,9 @@ def _block_profiles(
                 bwd_flops={p: sum(flops[p][k] for k in bwd_keys) for p in policies},
                 calls=len(fwd_keys),
                 writes_input=any(keep_segments[k].writes_input for k in fwd_keys),
+                buffer_copies={
+                    p: sum(by_key[p][k].buffer_copies for k in fwd_keys if k in by_key[p]) for p in policies
+                },
                 single_op=name in single_op,
             )
         )

@@ -77,6 +77,7 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
             bwd_flops=per_policy(a.bwd_flops, b.bwd_flops),
             calls=a.calls,
             writes_input=a.writes_input or b.writes_input,
+            buffer_copies=per_policy(a.buffer_copies, b.buffer_copies),
             single_op=a.single_op,
         )
         for a, b in zip(p1.blocks, p2.blocks)

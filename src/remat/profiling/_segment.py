@@ -38,6 +38,9 @@ class Segment:
     """Most live after the first release here, plus the bytes released so far; 0 without one."""
     writes_input: bool = False
     """A block's forward: an op in it wrote in place to a storage the block was called with."""
+    buffer_copies: int = 0
+    """A block's forward: bytes of the copies of module buffers a checkpointed region made in it and still holds
+    at its end (NOTE [Buffers a region keeps for its recomputation] in remat.planning._nested_copies)."""
 
     @property
     def key(self) -> tuple[str, str | None, int]:

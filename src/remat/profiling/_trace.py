@@ -43,6 +43,7 @@ from remat.profiling._flops import op_flops
 from remat.profiling._segment import Segment, tensors_in
 
 _TO_COPY = torch.ops.aten._to_copy.default
+_CLONE = torch.ops.aten.clone.default
 
 
 def _weight_cast(src: Any, out: Any) -> bool:
@@ -110,6 +111,9 @@ class SegmentRecorder:
         self._casts: dict[int, Segment] = {}
         self._call_inputs: set[int] = set()
         """Storages the running block was called with (``Segment.writes_input``)."""
+        self._buffers: set[int] = set()
+        self._copies: dict[int, Segment] = {}
+        """Copies of buffers a region made in the running block's forward, by key (``Segment.buffer_copies``)."""
         if tracker is not None:
             tracker.on_op = self._on_op
             tracker.on_free = self._on_free
@@ -135,6 +139,7 @@ class SegmentRecorder:
         self._current = None
         self._trajectory = None
         self._rebuilt = {}
+        self._copies = {}
 
     @staticmethod
     def _top(seg: Segment, live: int) -> None:
@@ -145,6 +150,8 @@ class SegmentRecorder:
 
     def _on_free(self, key: int, nbytes: int) -> None:
         self._cast_freed(key, nbytes)
+        if self._copies.pop(key, None) is not None and self._current is not None:
+            self._current.buffer_copies -= nbytes
         self.ledger.freed(key, self._current, self._recomputing[0] if self._recomputing is not None else None)
         record = self._rebuilt.pop(key, None)
         if record is not None:  # NOTE [Where a recomputation runs]: what it rebuilt and the segment frees again
@@ -206,7 +213,9 @@ class SegmentRecorder:
         if func is _TO_COPY and _weight_cast(args[0], out):  # autocast's cache: its own account (_casts)
             for st in storages(out):
                 self._casts[st._cdata] = seg
-        elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None and not in_bookkeeping():
+        elif seg.phase == "fwd" and seg.block is not None and in_bookkeeping():
+            self._note_copy(seg, func, args, out)
+        elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None:
             self.ledger.note_made(seg, out, self._casts)
             if func._schema.is_mutable and not seg.writes_input:
                 seg.writes_input = any(
@@ -222,6 +231,20 @@ class SegmentRecorder:
         seg.op_s += seconds
         if func in SAVE_OPS:
             seg.save_op_s += seconds
+
+    def _note_copy(self, seg: Segment, func: Any, args: tuple, out: Any) -> None:
+        """A region's copy of a module buffer (NOTE [What recomputation must not repeat] in remat.core._region):
+        counted in ``seg.buffer_copies`` until it is freed, if that is before the segment ends."""
+        if (
+            func is not _CLONE
+            or self.tracker is None
+            or not any(st._cdata in self._buffers for st in storages(args[0]))
+        ):
+            return
+        for st in storages(out):
+            if st._cdata in self.tracker.live and st._cdata not in self._copies:
+                self._copies[st._cdata] = seg
+                seg.buffer_copies += self.tracker.live[st._cdata]
 
     # -- hooks -----------------------------------------------------------------
     def _pre_hook(self, name: str) -> Callable:
@@ -314,6 +337,9 @@ class SegmentRecorder:
             self._rebuilt[key] = record
 
     def __enter__(self) -> SegmentRecorder:
+        self._buffers = {
+            st._cdata for m in self.modules.values() for b in m._buffers.values() if b is not None for st in storages(b)
+        }
         self._observing = recompute_observer(self._on_recompute, self.clock, self._on_recompute_start)
         self._observing.__enter__()
         for name in self.blocks:

@@ -70,6 +70,10 @@ class BlockProfile:
     """Its forward writes in place to a tensor it was called with (an in-place ReLU first): nested plans leave
     it and the block before it out of segments (NOTE [Inputs written in place inside a segment] in
     ``remat.planning._nested``)."""
+    buffer_copies: dict[str, int] = field(default_factory=dict)
+    """Per policy: bytes of the copies of buffers its forward writes (BatchNorm's running statistics) that its
+    region holds from its forward to its backward; empty in older profiles (NOTE [Buffers a region keeps for its
+    recomputation] in ``remat.planning._nested_copies``)."""
     single_op: bool = False
     """A lone single-op torch layer (a Linear, a LayerNorm): kept one level deep, checkpointed only inside a
     nested segment (NOTE [A lone layer is kept one level deep] in ``remat.planning._solve``)."""
