@@ -156,8 +156,11 @@ def _walk(c: Costs, nodes: tuple[Node, ...]) -> list[Step]:
     ch = c.chain
     steps: list[Step] = []
     _fwd_record(c, nodes, steps, -1)
-    post = int(np.argmax(ch.post_delta))
-    steps.append(Step(("post", -1), post, int(ch.post_delta.max()), int(ch.post_peak.max())))
+    # the backward glue before the last block's: as in the run of that block's policy (a segment's last block's
+    # is full), which decides whether the glue frees its output (the DP bounds it by the most of any run)
+    last = nodes[-1]
+    post = c.full if last.end is not None else last.policy
+    steps.append(Step(("post", -1), post, int(ch.post_delta[post]), int(ch.post_peak[post])))
     _bwd(c, nodes, _holders(c, nodes, {}), steps)
     return steps
 
