@@ -1,20 +1,21 @@
 """Nested plans: checkpointed runs of blocks with a plan of their own inside.
 
 NOTE [The nested peak model]
-A segment [s, e) is checkpointed as one region (``remat.core._segment``). In forward
-its blocks run saving nothing: each block's intermediate output is freed once the
-next block has run, so the walk adds block k's forward under ``full`` and frees its
-input (the previous block's output, ``output_bytes``) unless it is the segment's
-input. In backward the segment is recomputed: blocks s..e-2 run again under their
-own plan (kept, checkpointed, or sub-segments), then the last block, recomputed
-from its input like a ``full`` block (the recomputation stops at its input: torch's
-early stop), then the backward of the rest in reverse. The recomputation runs on top
-of what the last block's backward made before it began (NOTE [What a segment's last
-block makes before its recomputation] in ``remat.planning._nested_walk``). Every
-number comes from the profile's uniform runs (``remat.planning._solve.Chain``); after
-a segment's backward the walk continues from the live bytes the flat chain would have
-(the blocks' own forward plus backward deltas), so rounding inside a segment never
-leaks out of it.
+A segment [s, e) is checkpointed as one region (``remat.core._segment``). In forward its
+blocks run saving nothing: each block's intermediate output is freed once the next block
+has run, so the walk adds block k's forward under ``full`` and frees its input (the
+previous block's output, ``output_bytes``) unless it is the segment's input (a block
+whose output is a view of its input hands the storage on: NOTE [A block whose output is
+a view of its input] in ``remat.planning._nested_views``). In backward the segment is
+recomputed: blocks s..e-2 run again under their own plan (kept, checkpointed, or
+sub-segments), then the last block, recomputed from its input like a ``full`` block (the
+recomputation stops at its input: torch's early stop), then the backward of the rest in
+reverse. The recomputation runs on top of what the last block's backward made before it
+began (NOTE [What a segment's last block makes before its recomputation] in
+``remat.planning._nested_walk``). Every number comes from the profile's uniform runs
+(``remat.planning._solve.Chain``); after a segment's backward the walk continues from
+the live bytes the flat chain would have (the blocks' own forward plus backward deltas),
+so rounding inside a segment never leaks out of it.
 
 NOTE [Selective caches inside a segment]
 A block under torch's selective checkpoint keeps its cache (the matmul outputs it saves)
@@ -123,9 +124,10 @@ from typing import Any
 import numpy as np
 
 from remat.core._policy_registry import FULL, KEEP, SELECTIVES
-from remat.planning._nested_copies import copies_of
+from remat.planning._nested_copies import copies_of, snapshots_of
 from remat.planning._nested_shared import made_first, shared_storages
 from remat.planning._nested_types import Costs, Node
+from remat.planning._nested_views import freed_at, views_of
 from remat.planning._nested_walk import extra_time, simulate
 from remat.planning._solve import Chain, chain_of
 from remat.profiling._types import Profile
@@ -180,7 +182,6 @@ class _Recursion:
             moved = np.append(moved, moved[-1])
             self.span_ok &= moved[None, :-1] == moved[1:, None]
         self.FP, self.FD, self.BP, self.BD = up(ch.fwd_peak), up(ch.fwd_delta), up(ch.bwd_peak), up(ch.bwd_delta)
-        out = down(c.out)
         self.csum, self.held = self._leftovers(c, up, down)
         self.post = (int(up(ch.post_peak.max())), int(up(ch.post_delta.max())))
         # kept[s, e], peak[s, e]: live bytes left and most reached by blocks s..e-1 run saving nothing;
@@ -191,7 +192,7 @@ class _Recursion:
             live = top = 0
             for k in range(s, n):
                 top = max(top, live + int(self.FP[k, f]))
-                live += int(self.FD[k, f]) - (int(out[k - 1]) if k > s else 0)
+                live += int(self.FD[k, f]) - int(down(freed_at(c, s, k)))
                 self.kept[s, k + 1], self.peak[s, k + 1] = live, top
                 self.refwd[s, k + 1] = float(c.fwd_s[s:k].sum())
 
@@ -357,6 +358,8 @@ def costs_of(profile: Profile) -> Costs | None:
         by_name[ch.blocks[0]].input_bytes,
         made_first(profile, ch),
         copies_of(profile, ch),
+        snapshots_of(profile, ch),
+        views_of(profile, ch),
     )
 
 

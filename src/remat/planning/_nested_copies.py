@@ -37,6 +37,23 @@ a segment runs op by op (NOTE [Selective caches inside a segment] in
 ``remat.planning._nested``) while its run went by module, which may hold other copies. A
 profile saved before remat recorded the copies has none (``Costs.copies`` is None): the
 walk is under by them, as it was.
+
+NOTE [Buffers a segment copies and drops]
+A region's later calls run without the dispatch mode that copies a buffer before its first
+write: they copy every buffer up to 64 KiB of each module their forward enters, and drop
+the copies of those left unwritten when the forward ends (NOTE [Watching only when needed]
+in ``remat.core._region``). A block's own region drops them within the block's forward, a
+step the runs measured; a segment's region holds them until its last block's forward has
+run: every segment that holds block k, in the first forward, and every segment a
+recomputation runs again (those inside the one recomputed), each from k's forward to the
+end of its own last block's forward (blocks holding a rotary ``inv_freq`` under three
+nested segments: the walk was two copies, 256 B, under the measured peak).
+``snapshots_at_peak`` adds them (``BlockProfile.buffer_snapshots``: the small buffers of
+the modules under the block that its forward did not write; the written ones are the
+copies above) at each step's peak: exact where the block enters every module under it,
+over by the buffers of a module it does not enter, and by one copy per segment of a
+buffer several blocks share (a region copies a storage once). A profile saved before remat
+recorded them has none (``Costs.snapshots`` is None): the walk is under by them, as it was.
 """
 
 from __future__ import annotations
@@ -105,4 +122,41 @@ def buffer_copies_at_peak(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) 
             events[2 * began[tail]] += held  # may hold it until that block's backward
             kept = depth == len(tails) - 1 and own is not None and own_copy == 0
             events[2 * first[("bwd", k)] + 2 if kept else 2 * first[("bwd", tail)]] -= held
+    return np.cumsum(events)[:-2:2]
+
+
+def snapshots_of(profile: Profile, chain: Chain) -> np.ndarray | None:
+    """[n]: ``BlockProfile.buffer_snapshots`` per block (``Costs.snapshots``); None where none has any."""
+    by_name = {b.name: b for b in profile.blocks}
+    out = np.array([by_name[b].buffer_snapshots for b in chain.blocks], dtype=np.int64)
+    return out if out.any() else None
+
+
+def _segments(nodes: tuple[Node, ...], above: tuple[Node, ...] = ()) -> list[tuple[Node, tuple[Node, ...]]]:
+    """Every segment at any depth, with the segments that hold it (outermost first)."""
+    out = []
+    for node in nodes:
+        if node.end is not None:
+            out.append((node, above))
+            out += _segments(node.children, (*above, node))
+    return out
+
+
+def snapshots_at_peak(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> np.ndarray:
+    """[steps]: bytes of the copies of unwritten small buffers the segments' regions hold at each step's peak (NOTE
+    [Buffers a segment copies and drops])."""
+    events = np.zeros(2 * len(steps) + 2, dtype=np.int64)
+    if c.snapshots is None:
+        return events[:-2:2]
+    at = {(s.place, s.tail if s.again else None): i for i, s in enumerate(steps) if s.place[0] == "fwd"}
+    for seg, above in _segments(nodes):
+        assert seg.end is not None
+        size = c.snapshots[seg.start : seg.end]
+        if not size.any():
+            continue
+        # its forwards: the first, and one in every recomputation of a segment that holds it
+        for tail in [None, *(a.end - 1 for a in above if a.end is not None)]:
+            for k in range(seg.start, seg.end):
+                events[2 * at[(("fwd", k), tail)]] += int(size[k - seg.start])
+            events[2 * at[(("fwd", seg.end - 1), tail)] + 2] -= int(size.sum())
     return np.cumsum(events)[:-2:2]

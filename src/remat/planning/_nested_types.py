@@ -71,6 +71,13 @@ class Costs:
     """[n, P]: bytes of the copies of buffers block k's region keeps from its forward to its backward in the run of
     that policy (NOTE [Buffers a region keeps for its recomputation] in remat.planning._nested_copies); None: not
     recorded."""
+    snapshots: np.ndarray | None = None
+    """[n]: bytes of the small buffers block k's forward reads and does not write, which a segment's region copies
+    until its forward ends (NOTE [Buffers a segment copies and drops] in remat.planning._nested_copies); None: none
+    recorded."""
+    views: np.ndarray | None = None
+    """[n]: block k's output shares storage with its input (NOTE [A block whose output is a view of its input] in
+    remat.planning._nested_views); None: no block's."""
 
 
 @dataclass(frozen=True)

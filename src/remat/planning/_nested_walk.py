@@ -69,8 +69,9 @@ from __future__ import annotations
 import numpy as np
 
 from remat.core._policy_registry import KEEP
-from remat.planning._nested_copies import buffer_copies_at_peak, holders
+from remat.planning._nested_copies import buffer_copies_at_peak, holders, snapshots_at_peak
 from remat.planning._nested_types import Costs, Node, Place, Shared, Step
+from remat.planning._nested_views import freed_at, hands_on
 
 _NEVER = 1 << 62
 
@@ -89,7 +90,7 @@ def _fwd_record(c: Costs, nodes: tuple[Node, ...], steps: list[Step], tail: int)
 def _fwd_nosave(c: Costs, s: int, e: int, steps: list[Step], tail: int) -> None:
     ch, f = c.chain, c.full
     for k in range(s, e):
-        delta = int(ch.fwd_delta[k, f]) - (int(c.out[k - 1]) if k > s else 0)
+        delta = int(ch.fwd_delta[k, f]) - freed_at(c, s, k)  # NOTE [A block whose output is a view of its input]
         steps.append(Step(("fwd", k), f, delta, int(ch.fwd_peak[k, f]), tail >= 0, tail))
 
 
@@ -300,7 +301,10 @@ def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[
     gone: dict[int, tuple[int, int]] = {}
     for node in nodes:
         if node.end is not None:
-            gone.update(dict.fromkeys(range(node.start, node.end - 1), (node.end, node.end)))
+            # but one whose storage the last block returns a view of (NOTE [A block whose output is a view of
+            # its input] in remat.planning._nested_views)
+            kept = range(node.start, node.end - 1)
+            gone.update(dict.fromkeys((k for k in kept if not hands_on(c, k, node.end)), (node.end, node.end)))
     out: dict[int, tuple[int, int]] = {}
     for o in c.outputs:
         k = o.receivers[0]
@@ -364,7 +368,8 @@ def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
             d0, least0 = fixes.get(i, (0, 0))
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
     made = c.made_first if c.made_first is not None else np.zeros(len(c.chain.blocks), dtype=np.int64)
-    copies = buffer_copies_at_peak(c, nodes, steps)  # NOTE [Buffers a region keeps for its recomputation]
+    # NOTE [Buffers a region keeps for its recomputation], NOTE [Buffers a segment copies and drops]
+    copies = buffer_copies_at_peak(c, nodes, steps) + snapshots_at_peak(c, nodes, steps)
     live, top = c.chain.start, c.chain.pre_peak
     for i, step in enumerate(steps):
         added, least = fixes.get(i, (0, 0))

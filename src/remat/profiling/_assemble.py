@@ -306,6 +306,8 @@ def _block_profiles(
                 buffer_copies={
                     p: sum(by_key[p][k].buffer_copies for k in fwd_keys if k in by_key[p]) for p in policies
                 },
+                buffer_snapshots=sum(keep_segments[k].buffer_snapshots for k in fwd_keys),
+                views_input=any(keep_segments[k].views_input for k in fwd_keys),
                 single_op=name in single_op,
             )
         )

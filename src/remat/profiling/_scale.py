@@ -78,6 +78,8 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
             calls=a.calls,
             writes_input=a.writes_input or b.writes_input,
             buffer_copies=per_policy(a.buffer_copies, b.buffer_copies),
+            buffer_snapshots=max(a.buffer_snapshots, b.buffer_snapshots),
+            views_input=a.views_input,
             single_op=a.single_op,
         )
         for a, b in zip(p1.blocks, p2.blocks)

@@ -41,6 +41,12 @@ class Segment:
     buffer_copies: int = 0
     """A block's forward: bytes of the copies of module buffers a checkpointed region made in it and still holds
     at its end (NOTE [Buffers a region keeps for its recomputation] in remat.planning._nested_copies)."""
+    buffer_snapshots: int = 0
+    """A block's forward: bytes of the buffers up to ``_SNAPSHOT_BYTES`` of the modules under it that it does not
+    write (NOTE [Buffers a segment copies and drops] in remat.planning._nested_copies)."""
+    views_input: bool = False
+    """A block's forward: the first tensor it returned shares storage with the first tensor it was called with
+    (NOTE [A block whose output is a view of its input] in remat.planning._nested_views)."""
 
     @property
     def key(self) -> tuple[str, str | None, int]:

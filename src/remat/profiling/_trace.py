@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
-from remat.core._region import in_bookkeeping, recompute_observer
+from remat.core._region import _SNAPSHOT_BYTES, REGION_BUFFER_MODULES, in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core._writes import written_tensors
 from remat.core.checkpoint import SAVE_OPS
@@ -114,6 +114,8 @@ class SegmentRecorder:
         self._buffers: set[int] = set()
         self._copies: dict[int, Segment] = {}
         """Copies of buffers a region made in the running block's forward, by key (``Segment.buffer_copies``)."""
+        self._snapshots: dict[int, int] = {}
+        """The running block's small buffers not yet seen written, by key -> bytes (``Segment.buffer_snapshots``)."""
         if tracker is not None:
             tracker.on_op = self._on_op
             tracker.on_free = self._on_free
@@ -217,6 +219,10 @@ class SegmentRecorder:
             self._note_copy(seg, func, args, out)
         elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None:
             self.ledger.note_made(seg, out, self._casts)
+            if func._schema.is_mutable and self._snapshots:
+                for t in written_tensors(func, args, kwargs):
+                    for st in storages(t):
+                        self._snapshots.pop(st._cdata, None)
             if func._schema.is_mutable and not seg.writes_input:
                 seg.writes_input = any(
                     st._cdata in self._call_inputs for t in written_tensors(func, args, kwargs) for st in storages(t)
@@ -256,6 +262,7 @@ class SegmentRecorder:
             self.ledger.note_inputs(name, seg.occurrence, args, kwargs)
             if self.tracker is not None:
                 self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
+                self._snapshots = _small_buffers(module)
             if name not in self.io_bytes:
                 self.io_bytes[name] = (storage_bytes(tensors_in((args, kwargs)), self._block_bytes), 0)
 
@@ -266,6 +273,12 @@ class SegmentRecorder:
             occurrence = self._current.occurrence if self._current is not None else 0
             outs = tensors_in(output)
             self.ledger.note_outputs(name, occurrence, output, outs)
+            seg, ins = self._current, tensors_in((args, kwargs))
+            if seg is not None and seg.key == ("fwd", name, occurrence):
+                seg.buffer_snapshots, self._snapshots = sum(self._snapshots.values()), {}
+            if seg is not None and seg.key == ("fwd", name, occurrence) and outs and ins:
+                # NOTE [A block whose output is a view of its input] in remat.planning._nested_views
+                seg.views_input = bool({st._cdata for st in storages(outs[0])} & {st._cdata for st in storages(ins[0])})
             self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs, self._block_bytes))
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)
@@ -354,3 +367,16 @@ class SegmentRecorder:
             h.remove()
         self._handles.clear()
         self._observing.__exit__(*exc)
+
+
+def _small_buffers(module: nn.Module) -> dict[int, int]:
+    """The buffers a region copies on entering their modules on a later call and drops unless written (those up to
+    ``_SNAPSHOT_BYTES``: NOTE [Watching only when needed] in remat.core._region), of the modules under ``module``
+    and those its code reads (a traced segment's), by storage key -> bytes."""
+    modules = [*module.modules(), *module.__dict__.get(REGION_BUFFER_MODULES, ())]
+    out: dict[int, int] = {}
+    for m in modules:
+        for b in m._buffers.values():
+            if b is not None and b.untyped_storage().nbytes() <= _SNAPSHOT_BYTES:
+                out.update((st._cdata, st.nbytes()) for st in storages(b))
+    return out

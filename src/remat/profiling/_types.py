@@ -74,6 +74,14 @@ class BlockProfile:
     """Per policy: bytes of the copies of buffers its forward writes (BatchNorm's running statistics) that its
     region holds from its forward to its backward; empty in older profiles (NOTE [Buffers a region keeps for its
     recomputation] in ``remat.planning._nested_copies``)."""
+    buffer_snapshots: int = 0
+    """Bytes of the small buffers (up to 64 KiB each) of the modules under it that its forward does not write (a
+    rotary ``inv_freq``): a checkpointed region copies them on a later call and drops them at the end of its
+    forward (NOTE [Buffers a segment copies and drops] in ``remat.planning._nested_copies``); 0 in older profiles."""
+    views_input: bool = False
+    """Its output shares storage with the tensor it is called with (a Flatten, a reshape): a segment's forward
+    holds that storage until the block after it has run (NOTE [A block whose output is a view of its input] in
+    ``remat.planning._nested_views``)."""
     single_op: bool = False
     """A lone single-op torch layer (a Linear, a LayerNorm): kept one level deep, checkpointed only inside a
     nested segment (NOTE [A lone layer is kept one level deep] in ``remat.planning._solve``)."""
