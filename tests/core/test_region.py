@@ -101,7 +101,7 @@ class Sometimes(nn.Module):
     def __init__(self, target):
         super().__init__()
         self.lin = nn.Linear(6, 6)
-        self.register_buffer("big", torch.zeros(region._SNAPSHOT_BYTES // 4 + 1))
+        self.register_buffer("big", torch.zeros(region.SNAPSHOT_BYTES // 4 + 1))
         self.target = target
         self.write = False
 

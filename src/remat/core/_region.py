@@ -32,7 +32,7 @@ write (copy-on-write). A Python dispatch mode costs tens of microseconds per op
 remembers what that first forward wrote (``Learned``). Later forwards of the
 same callable that write no input run without the mode: buffers are copied when
 their module is entered (those the first call wrote, and any up to
-``_SNAPSHOT_BYTES``, which covers a module switched from eval to train), copies
+``SNAPSHOT_BYTES``, which covers a module switched from eval to train), copies
 of buffers left unwritten are dropped at the end of the forward, and version
 counters check that nothing unwatched was written; if something was, the call
 fails with a RematError (its earlier value is gone) and the next call watches
@@ -146,7 +146,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, *, expected: bool) -> bool:
 
 
 #: Buffers up to this many bytes are copied on entering their module without a dispatch mode.
-_SNAPSHOT_BYTES = 64 * 1024
+SNAPSHOT_BYTES = 64 * 1024
 
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -237,7 +237,7 @@ class Region:
                     expected = (id(module), name) in self.learned.written_buffers
                     if expected:
                         self.expected.add(key)
-                    if expected or buf.untyped_storage().nbytes() <= _SNAPSHOT_BYTES:
+                    if expected or buf.untyped_storage().nbytes() <= SNAPSHOT_BYTES:
                         self.note_write(buf)
             owners = self.buffers.setdefault(key, [])
             if not any(ref() is module and n == name for ref, n in owners):

@@ -42,7 +42,7 @@ class Segment:
     """A block's forward: bytes of the copies of module buffers a checkpointed region made in it and still holds
     at its end (NOTE [Buffers a region keeps for its recomputation] in remat.planning._nested_copies)."""
     buffer_snapshots: int = 0
-    """A block's forward: bytes of the buffers up to ``_SNAPSHOT_BYTES`` of the modules under it that it does not
+    """A block's forward: bytes of the buffers up to ``SNAPSHOT_BYTES`` of the modules under it that it does not
     write (NOTE [Buffers a segment copies and drops] in remat.planning._nested_copies)."""
     views_input: bool = False
     """A block's forward: the first tensor it returned shares storage with the first tensor it was called with

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
-from remat.core._region import _SNAPSHOT_BYTES, REGION_BUFFER_MODULES, in_bookkeeping, recompute_observer
+from remat.core._region import REGION_BUFFER_MODULES, SNAPSHOT_BYTES, in_bookkeeping, recompute_observer
 from remat.core._timing import WallClock
 from remat.core._writes import written_tensors
 from remat.core.checkpoint import SAVE_OPS
@@ -371,12 +371,12 @@ class SegmentRecorder:
 
 def _small_buffers(module: nn.Module) -> dict[int, int]:
     """The buffers a region copies on entering their modules on a later call and drops unless written (those up to
-    ``_SNAPSHOT_BYTES``: NOTE [Watching only when needed] in remat.core._region), of the modules under ``module``
+    ``SNAPSHOT_BYTES``: NOTE [Watching only when needed] in remat.core._region), of the modules under ``module``
     and those its code reads (a traced segment's), by storage key -> bytes."""
     modules = [*module.modules(), *module.__dict__.get(REGION_BUFFER_MODULES, ())]
     out: dict[int, int] = {}
     for m in modules:
         for b in m._buffers.values():
-            if b is not None and b.untyped_storage().nbytes() <= _SNAPSHOT_BYTES:
+            if b is not None and b.untyped_storage().nbytes() <= SNAPSHOT_BYTES:
                 out.update((st._cdata, st.nbytes()) for st in storages(b))
     return out
