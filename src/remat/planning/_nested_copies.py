@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from remat.planning._nested_types import Costs, Node, Step
+from remat.planning._nested_types import Costs, Step, Tree
 from remat.planning._solve import Chain
 from remat.profiling._types import Profile
 
@@ -75,18 +75,7 @@ def copies_of(profile: Profile, chain: Chain) -> np.ndarray | None:
     return np.array([[b.buffer_copies.get(p, 0) for p in chain.policies] for b in blocks], dtype=np.int64)
 
 
-def holders(nodes: tuple[Node, ...], k: int) -> tuple[list[Node], Node | None]:
-    """(the segments that hold block k, outermost first; its own node, None for a segment's last block)."""
-    path: list[Node] = []
-    while True:
-        holder = next((n for n in nodes if n.start <= k < (n.end if n.end is not None else n.start + 1)), None)
-        if holder is None or holder.end is None:
-            return path, holder
-        path.append(holder)
-        nodes = holder.children
-
-
-def buffer_copies_at_peak(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> np.ndarray:
+def buffer_copies_at_peak(c: Costs, tree: Tree, steps: list[Step]) -> np.ndarray:
     """[steps]: bytes of buffer copies the plan's regions hold at each step's peak less those its run's numbers
     hold there (NOTE [Buffers a region keeps for its recomputation])."""
     # events at positions 2i (the start of step i, before its peak) and 2i + 2 (its end)
@@ -97,7 +86,7 @@ def buffer_copies_at_peak(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) 
     again = {(s.place, s.tail): i for i, s in enumerate(steps) if s.again}
     began = {s.tail: i for i, s in reversed(list(enumerate(steps))) if s.again}
     for k in map(int, np.flatnonzero(c.copies.any(axis=1))):
-        path, own = holders(nodes, k)
+        path, own = tree.path[k], tree.own[k]
         if not path:
             continue  # its steps are its own run's
         for i, s in enumerate(steps):  # what the runs hold: from the forward of k to the backward that frees it
@@ -132,31 +121,20 @@ def snapshots_of(profile: Profile, chain: Chain) -> np.ndarray | None:
     return out if out.any() else None
 
 
-def _segments(nodes: tuple[Node, ...], above: tuple[Node, ...] = ()) -> list[tuple[Node, tuple[Node, ...]]]:
-    """Every segment at any depth, with the segments that hold it (outermost first)."""
-    out = []
-    for node in nodes:
-        if node.end is not None:
-            out.append((node, above))
-            out += _segments(node.children, (*above, node))
-    return out
-
-
-def snapshots_at_peak(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> np.ndarray:
+def snapshots_at_peak(c: Costs, tree: Tree, steps: list[Step]) -> np.ndarray:
     """[steps]: bytes of the copies of unwritten small buffers the segments' regions hold at each step's peak (NOTE
     [Buffers a segment copies and drops])."""
     events = np.zeros(2 * len(steps) + 2, dtype=np.int64)
     if c.snapshots is None:
         return events[:-2:2]
     at = {(s.place, s.tail if s.again else None): i for i, s in enumerate(steps) if s.place[0] == "fwd"}
-    for seg, above in _segments(nodes):
-        assert seg.end is not None
-        size = c.snapshots[seg.start : seg.end]
+    for seg, end, above in tree.segments:
+        size = c.snapshots[seg.start : end]
         if not size.any():
             continue
         # its forwards: the first, and one in every recomputation of a segment that holds it
         for tail in [None, *(a.end - 1 for a in above if a.end is not None)]:
-            for k in range(seg.start, seg.end):
+            for k in range(seg.start, end):
                 events[2 * at[(("fwd", k), tail)]] += int(size[k - seg.start])
-            events[2 * at[(("fwd", seg.end - 1), tail)] + 2] -= int(size.sum())
+            events[2 * at[(("fwd", end - 1), tail)] + 2] -= int(size.sum())
     return np.cumsum(events)[:-2:2]

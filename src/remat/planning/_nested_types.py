@@ -24,6 +24,31 @@ class Node:
     children: tuple[Node, ...] = ()
 
 
+class Tree:
+    """A nested plan's nodes, walked once: every segment with those around it, and where each block sits."""
+
+    def __init__(self, nodes: tuple[Node, ...]) -> None:
+        self.nodes = nodes
+        self.segments: list[tuple[Node, int, tuple[Node, ...]]] = []
+        """Every segment at any depth, outer before inner: (its node, its ``end``, the segments that hold it,
+        outermost first)."""
+        self.path: dict[int, tuple[Node, ...]] = {}
+        """Block -> the segments that hold it, outermost first."""
+        self.own: dict[int, Node | None] = {}
+        """Block -> its own node (a block under a policy); None for a segment's last block, which runs ``full``."""
+        self._visit(nodes, ())
+
+    def _visit(self, nodes: tuple[Node, ...], above: tuple[Node, ...]) -> None:
+        for node in nodes:
+            if node.end is None:
+                self.path[node.start], self.own[node.start] = above, node
+                continue
+            self.segments.append((node, node.end, above))
+            inside = (*above, node)
+            self.path[node.end - 1], self.own[node.end - 1] = inside, None  # its children end before it
+            self._visit(node.children, inside)
+
+
 @dataclass(frozen=True)
 class Shared:
     """A storage made outside the blocks and handed to some of them (NOTE [Storages handed to a segment from

@@ -69,8 +69,8 @@ from __future__ import annotations
 import numpy as np
 
 from remat.core._policy_registry import KEEP
-from remat.planning._nested_copies import buffer_copies_at_peak, holders, snapshots_at_peak
-from remat.planning._nested_types import Costs, Node, Place, Shared, Step
+from remat.planning._nested_copies import buffer_copies_at_peak, snapshots_at_peak
+from remat.planning._nested_types import Costs, Node, Place, Shared, Step, Tree
 from remat.planning._nested_views import freed_at, hands_on
 
 _NEVER = 1 << 62
@@ -92,17 +92,6 @@ def _fwd_nosave(c: Costs, s: int, e: int, steps: list[Step], tail: int) -> None:
     for k in range(s, e):
         delta = int(ch.fwd_delta[k, f]) - freed_at(c, s, k)  # NOTE [A block whose output is a view of its input]
         steps.append(Step(("fwd", k), f, delta, int(ch.fwd_peak[k, f]), tail >= 0, tail))
-
-
-def _holders(c: Costs, nodes: tuple[Node, ...], out: dict[int, bool]) -> dict[int, bool]:
-    """Block -> whether it keeps its own output until its backward under the plan (a segment's last block does not)."""
-    for node in nodes:
-        if node.end is None:
-            out[node.start] = c.holds is not None and bool(c.holds[node.start, node.policy])
-        else:
-            out[node.end - 1] = False
-            _holders(c, node.children, out)
-    return out
 
 
 def _block_bwd(c: Costs, k: int, policy: int, holds: dict[int, bool], steps: list[Step]) -> None:
@@ -153,8 +142,8 @@ def _bwd(c: Costs, nodes: tuple[Node, ...], holds: dict[int, bool], steps: list[
         _bwd(c, node.children, holds, steps)
 
 
-def _walk(c: Costs, nodes: tuple[Node, ...]) -> list[Step]:
-    ch = c.chain
+def _walk(c: Costs, tree: Tree) -> list[Step]:
+    ch, nodes = c.chain, tree.nodes
     steps: list[Step] = []
     _fwd_record(c, nodes, steps, -1)
     # the backward glue before the last block's: as in the run of that block's policy (a segment's last block's
@@ -162,22 +151,13 @@ def _walk(c: Costs, nodes: tuple[Node, ...]) -> list[Step]:
     last = nodes[-1]
     post = c.full if last.end is not None else last.policy
     steps.append(Step(("post", -1), post, int(ch.post_delta[post]), int(ch.post_peak[post])))
-    _bwd(c, nodes, _holders(c, nodes, {}), steps)
+    # block -> whether it keeps its own output until its backward under the plan (a segment's last block does not)
+    holds = {k: own is not None and c.holds is not None and bool(c.holds[k, own.policy]) for k, own in tree.own.items()}
+    _bwd(c, nodes, holds, steps)
     return steps
 
 
-def _policies(nodes: tuple[Node, ...]) -> dict[int, int | None]:
-    """Block -> its policy under the plan; None for a block inside a segment (the segment holds its inputs)."""
-    out: dict[int, int | None] = {}
-    for node in nodes:
-        if node.end is None:
-            out[node.start] = node.policy
-        else:
-            out.update(dict.fromkeys(range(node.start, node.end)))
-    return out
-
-
-def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _shared_fixes(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Per step index: (bytes added to its delta, least its peak reaches) for ``c.shared`` (NOTE [Storages
     handed to a segment from outside])."""
     if not c.shared:
@@ -187,10 +167,9 @@ def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[
         if not step.again:
             first.setdefault(step.place, i)
     ends = {}  # block in a top-level segment -> where the segment lets go of its inputs
-    for node in nodes:
-        if node.end is not None:
-            ends.update(dict.fromkeys(range(node.start, node.end), first[("bwd", node.start)]))
-    policy = _policies(nodes)
+    for node, end, above in tree.segments:
+        if not above:
+            ends.update(dict.fromkeys(range(node.start, end), first[("bwd", node.start)]))
     keep = c.chain.policies.index(KEEP) if KEEP in c.chain.policies else None
 
     def position(place: Place | None) -> int:
@@ -202,7 +181,7 @@ def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[
         for r in sh.receivers:
             if r in ends:
                 latest = max(latest, ends[r])
-            elif policy.get(r) == keep and keep is not None:
+            elif (own := tree.own.get(r)) is not None and own.policy == keep and keep is not None:
                 latest = max(latest, position(sh.freed.get(keep)))
             else:
                 latest = max(latest, first[("bwd", r)])
@@ -218,26 +197,16 @@ def _shared_fixes(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[
     return {i: (d, least) for i, (d, least) in out.items()}
 
 
-def _leaves(nodes: tuple[Node, ...], out: dict[int, int]) -> dict[int, int]:
-    """Block -> the policy it runs under innermost (a segment's last block: ``full``)."""
-    for node in nodes:
-        if node.end is None:
-            out[node.start] = node.policy
-        else:
-            _leaves(node.children, out)
-    return out
-
-
-def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _selective_caches(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
     """A selective block inside a segment keeps a cache from every forward of it but its own last recomputation
     until its backward (NOTE [Selective caches inside a segment] in remat.planning._nested): per step index,
     (bytes added to its delta, least its peak reaches)."""
     if c.inside is None:
         return {}
-    ch, leaves = c.chain, _leaves(nodes, {})
+    ch = c.chain
     out: dict[int, tuple[int, int]] = {}
-    for k, p in leaves.items():
-        if bool(c.inside[p]):
+    for k, own in tree.own.items():  # a segment's last block runs full, not selective
+        if own is None or bool(c.inside[p := own.policy]):
             continue
         cache = max(int(ch.fwd_delta[k, j] - ch.fwd_delta[k, c.full]) for j in np.flatnonzero(~c.inside))
         made = [i for i, s in enumerate(steps) if s.place == ("fwd", k) and s.run != p]
@@ -252,16 +221,7 @@ def _selective_caches(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> d
     return out
 
 
-def _segments_over(nodes: tuple[Node, ...], k: int, depth: int = 0) -> tuple[int, Node | None]:
-    """(how many segments hold block k, the outermost of them)."""
-    for node in nodes:
-        if node.end is not None and node.start <= k < node.end:
-            inner, _ = _segments_over(node.children, k, depth + 1)
-            return max(inner, depth + 1), node
-    return depth, None
-
-
-def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _written_inputs(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Copies of a written input a block inside a segment, or right after one, makes (NOTE [Inputs written in
     place inside a segment] in remat.planning._nested), per step index: on the safe side, one per region that
     holds the block and one more, live from the outermost segment's forward to the end of the step."""
@@ -269,42 +229,41 @@ def _written_inputs(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dic
         return {}
     out: dict[int, tuple[int, int]] = {}
     for k in map(int, np.flatnonzero(c.writes)):
-        depth, outer = _segments_over(nodes, k)
-        before, outer_before = _segments_over(nodes, k - 1) if k > 0 else (0, None)
-        if (outer is None and outer_before is None) or _written_inside(c, nodes, k):
+        path, path_before = tree.path[k], tree.path[k - 1] if k > 0 else ()
+        if not (path or path_before) or _written_inside(c, tree, k):
             continue
-        first = min(n.start for n in (outer, outer_before) if n is not None)
-        extra = (max(depth, before) + 1) * int(c.out[k - 1] if k > 0 else c.first_input)
+        first = min(p[0].start for p in (path, path_before) if p)
+        extra = (max(len(path), len(path_before)) + 1) * int(c.out[k - 1] if k > 0 else c.first_input)
         at = next(i for i, s in enumerate(steps) if s.place == ("fwd", first))
         d, least = out.get(at, (0, 0))
         out[at] = (d + extra, max(least, steps[at].peak + d + extra))
     return out
 
 
-def _written_inside(c: Costs, nodes: tuple[Node, ...], k: int) -> bool:
+def _written_inside(c: Costs, tree: Tree, k: int) -> bool:
     """Block k writes its input inside every segment that holds it, which all hold block k-1 too, and neither
     block is a region of its own or a segment's last (both under keep): the write is on a tensor the segments
     made, so no region copies it (NOTE [Inputs written in place inside a segment] in remat.planning._nested)."""
     if k == 0 or KEEP not in c.chain.policies:
         return False
     keep = c.chain.policies.index(KEEP)
-    (held, own), (held_before, own_before) = holders(nodes, k), holders(nodes, k - 1)
+    held, held_before, own, own_before = tree.path[k], tree.path[k - 1], tree.own[k], tree.own[k - 1]
     same = bool(held) and len(held) == len(held_before) and all(a is b for a, b in zip(held, held_before))
     return same and all(node is not None and node.policy == keep for node in (own, own_before))
 
 
-def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _outputs_gone(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Outputs a segment let go of in its forward, or a holder keeps, that a step's run frees (NOTE [Outputs
     the parent keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
     # block -> (from which forward, from which backward no step frees its output): a top-level segment's
     # outputs but the last are gone from its end on
     gone: dict[int, tuple[int, int]] = {}
-    for node in nodes:
-        if node.end is not None:
+    for node, end, above in tree.segments:
+        if not above:
             # but one whose storage the last block returns a view of (NOTE [A block whose output is a view of
             # its input] in remat.planning._nested_views)
-            kept = range(node.start, node.end - 1)
-            gone.update(dict.fromkeys((k for k in kept if not hands_on(c, k, node.end)), (node.end, node.end)))
+            kept = range(node.start, end - 1)
+            gone.update(dict.fromkeys((k for k in kept if not hands_on(c, k, end)), (end, end)))
     out: dict[int, tuple[int, int]] = {}
     for o in c.outputs:
         k = o.receivers[0]
@@ -316,7 +275,7 @@ def _outputs_gone(c: Costs, nodes: tuple[Node, ...], steps: list[Step]) -> dict[
             after = kind == "post" or (kind == "bwd" and at >= bwd_from) or (kind != "bwd" and at >= fwd_from)
             if not step.again and after and o.freed.get(step.run) == step.place:
                 _undo_free(out, i, o, step.run)
-    _inputs_held(c, nodes, steps, out)
+    _inputs_held(c, tree, steps, out)
     return out
 
 
@@ -325,21 +284,14 @@ def _undo_free(out: dict[int, tuple[int, int]], i: int, o: Shared, run: int) -> 
     out[i] = (d + o.nbytes, max(least, o.after[run] + d + o.nbytes))
 
 
-def _segment_starts(nodes: tuple[Node, ...], out: dict[int, int], depth: int = 1) -> dict[int, int]:
-    """Block -> the depth of the outermost segment that begins at it (the others end with its backward too)."""
-    for node in nodes:
-        if node.end is not None:
-            out.setdefault(node.start, depth)
-            _segment_starts(node.children, out, depth + 1)
-    return out
-
-
-def _inputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], out: dict[int, tuple[int, int]]) -> None:
+def _inputs_held(c: Costs, tree: Tree, steps: list[Step], out: dict[int, tuple[int, int]]) -> None:
     """Block k-1's output held past a run's free of it by a segment that begins at block k, from the segment's
     forward (the depth-th forward of block k in the walk); block k's backward frees it where its run did not (a
     block outside segments that holds its output: NOTE [A block that holds its output before one that lets go of
     it], ``_outputs_held``)."""
-    starts = _segment_starts(nodes, {})
+    starts: dict[int, int] = {}  # block -> the depth of the outermost segment that begins at it
+    for node, _, above in tree.segments:
+        starts.setdefault(node.start, len(above) + 1)
     for o in c.outputs:
         k = o.receivers[0] + 1
         if k not in starts:
@@ -356,12 +308,13 @@ def _inputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], out: dict
 
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
-    steps = _walk(c, nodes)
-    fixes = _shared_fixes(c, nodes, steps)
+    tree = Tree(nodes)
+    steps = _walk(c, tree)
+    fixes = _shared_fixes(c, tree, steps)
     for extra in (
-        _selective_caches(c, nodes, steps),
-        _written_inputs(c, nodes, steps),
-        _outputs_gone(c, nodes, steps),
+        _selective_caches(c, tree, steps),
+        _written_inputs(c, tree, steps),
+        _outputs_gone(c, tree, steps),
         _outputs_held(c, nodes, steps),
     ):
         for i, (d, least) in extra.items():
@@ -369,7 +322,7 @@ def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
     made = c.made_first if c.made_first is not None else np.zeros(len(c.chain.blocks), dtype=np.int64)
     # NOTE [Buffers a region keeps for its recomputation], NOTE [Buffers a segment copies and drops]
-    copies = buffer_copies_at_peak(c, nodes, steps) + snapshots_at_peak(c, nodes, steps)
+    copies = buffer_copies_at_peak(c, tree, steps) + snapshots_at_peak(c, tree, steps)
     live, top = c.chain.start, c.chain.pre_peak
     for i, step in enumerate(steps):
         added, least = fixes.get(i, (0, 0))

@@ -219,14 +219,8 @@ class SegmentRecorder:
             self._note_copy(seg, func, args, out)
         elif seg.phase == "fwd" and seg.block is not None and self.tracker is not None:
             self.ledger.note_made(seg, out, self._casts)
-            if func._schema.is_mutable and self._snapshots:
-                for t in written_tensors(func, args, kwargs):
-                    for st in storages(t):
-                        self._snapshots.pop(st._cdata, None)
-            if func._schema.is_mutable and not seg.writes_input:
-                seg.writes_input = any(
-                    st._cdata in self._call_inputs for t in written_tensors(func, args, kwargs) for st in storages(t)
-                )
+            if func._schema.is_mutable:
+                self._note_writes(seg, func, args, kwargs)
         if seg.phase == "fwd":
             self.ledger.note_reads(seg.block, (args, kwargs))
         packet = func._overloadpacket
@@ -237,6 +231,14 @@ class SegmentRecorder:
         seg.op_s += seconds
         if func in SAVE_OPS:
             seg.save_op_s += seconds
+
+    def _note_writes(self, seg: Segment, func: Any, args: tuple, kwargs: dict) -> None:
+        """A block's in-place op: a written buffer is no snapshot the region drops; a written input marks
+        the segment ``writes_input``."""
+        written = {st._cdata for t in written_tensors(func, args, kwargs) for st in storages(t)}
+        for key in written & self._snapshots.keys():
+            del self._snapshots[key]
+        seg.writes_input = seg.writes_input or bool(written & self._call_inputs)
 
     def _note_copy(self, seg: Segment, func: Any, args: tuple, out: Any) -> None:
         """A region's copy of a module buffer (NOTE [What recomputation must not repeat] in remat.core._region):
@@ -276,9 +278,10 @@ class SegmentRecorder:
             seg, ins = self._current, tensors_in((args, kwargs))
             if seg is not None and seg.key == ("fwd", name, occurrence):
                 seg.buffer_snapshots, self._snapshots = sum(self._snapshots.values()), {}
-            if seg is not None and seg.key == ("fwd", name, occurrence) and outs and ins:
                 # NOTE [A block whose output is a view of its input] in remat.planning._nested_views
-                seg.views_input = bool({st._cdata for st in storages(outs[0])} & {st._cdata for st in storages(ins[0])})
+                seg.views_input = bool(outs and ins) and bool(
+                    {st._cdata for st in storages(outs[0])} & {st._cdata for st in storages(ins[0])}
+                )
             self.io_bytes[name] = (self.io_bytes.get(name, (0, 0))[0], storage_bytes(outs, self._block_bytes))
             self.begin("fwd", None)
             grad_out = next((t for t in outs if t.requires_grad), None)
