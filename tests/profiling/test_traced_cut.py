@@ -270,6 +270,24 @@ def test_a_traced_plan_watches_only_the_attributes_its_trace_read():
         remat.remove(model)
 
 
+def test_a_model_is_traced_again_only_when_what_its_trace_read_changes(monkeypatch):
+    # NOTE [One trace per model and mode]
+    model, traces = _Gained(), []
+    trace = _traced_cut._trace
+    monkeypatch.setattr(_traced_cut, "_trace", lambda *a: traces.append(1) or trace(*a))
+    first = traced(model, True)
+    model.global_step = 7  # a training loop's counter, read by no forward
+    model.between._remat_seen = True  # what remat keeps on a module
+    model.between.negative_slope = 0.3  # read by the leaf at each call, not by the trace
+    assert traced(model, True) is first and len(traces) == 1
+    model.gain = 0.5  # looked for and not found while tracing: the trace holds 1.0
+    again = traced(model, True)
+    assert again is not first and again.reads[("", "gain")] == 0.5 and len(traces) == 2
+    assert traced(model, False) is not again and len(traces) == 3  # another mode
+    model.between = nn.Tanh()  # another module called
+    assert traced(model, False).gm.between is model.between and len(traces) == 4
+
+
 def test_recording_the_reads_of_a_trace_leaves_module_attribute_lookup_as_it_was():
     from remat.profiling._traced_reads import MISSING, reads_recorded
 

@@ -15,7 +15,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError
-from remat.profiling._traced_reads import PLAIN, plain_attributes, put_back_attributes, reads_recorded
+from remat.profiling._traced_reads import MISSING, plain_attributes, put_back_attributes, reads_recorded, same
 
 #: Most segments a traced forward is cut into (the nested planner's chain grows with it).
 MAX_SEGMENTS = 32
@@ -338,10 +338,13 @@ def _choose_cuts(nodes: list[fx.Node], carries: dict[int, fx.Node], sizes: dict[
 # Tracing a forward of 100,000 ops takes seconds, and so does writing the Python of its segments; the
 # profile, each plan remat.auto measures and remat.apply would each do it again. The trace, its carries
 # and the code of each segment are kept per model (weakly: they go with it) and per what the trace
-# depends on besides the code: the mode traced in, and the plain attributes (numbers, strings) of every
-# module, which a forward's Python loops and branches read (``self.loops``); a change to either traces
-# again. Segments are new modules at each install over the kept code, so no wrapper stays on one.
-_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Traced]] = weakref.WeakKeyDictionary()
+# depends on besides the code: the mode traced in, the modules it called (their names and classes), and
+# the plain attributes its Python read (NOTE [The attributes a trace holds] in
+# remat.profiling._traced_reads), which loops and branches read (``self.loops``); a change to any of
+# them traces again, and nothing else does: a training loop's counter on the model, or remat's own
+# attributes, leave the kept trace as it is. Segments are new modules at each install over the kept
+# code, so no wrapper stays on one.
+_TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Traced]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -362,30 +365,36 @@ class Traced:
 
 
 def _key(model: nn.Module, training: bool | None) -> tuple:
-    plain = tuple(
-        (name, tuple(sorted((k, v) for k, v in vars(m).items() if type(v) in PLAIN and k != "training")))
-        for name, m in model.named_modules()
-    )
+    """The modes and modules a trace of ``model`` depends on."""
     modes = training if training is not None else tuple(m.training for m in model.modules())
-    return modes, plain
+    return modes, tuple((name, type(m)) for name, m in model.named_modules())
+
+
+def _reads_hold(model: nn.Module, reads: dict[tuple[str, str], Any]) -> bool:
+    """Every plain attribute the trace read has the value it read."""
+    owners = dict(model.named_modules())
+    return all(same(vars(owners[name]).get(k, MISSING), v) for (name, k), v in reads.items())
 
 
 def traced(model: nn.Module, training: bool | None) -> Traced:
     """``model``'s forward traced in ``training`` mode (None: its modes now), kept (NOTE [One trace per model
     and mode])."""
     key = _key(model, training)
-    kept = _TRACES.setdefault(model, {})
-    if key not in kept:
+    kept = _TRACES.get(model)
+    if kept is None or kept[0] != key or not _reads_hold(model, kept[1].reads):
         gm, modes, reads = _trace(model, training)
         nodes = list(gm.graph.nodes)
         names = {module: name for name, module in model.named_modules()}  # names: the kept trace holds no module
-        kept.clear()  # the latest trace only: a model's other modes are rarely asked for again
-        kept[key] = Traced(
-            gm,
-            {names[m]: mode for m, mode in modes.items()},
-            nodes,
-            _carries(nodes),
-            {n.name: i for i, n in enumerate(nodes)},
-            {(names[m], k): v for (m, k), v in reads.items() if m in names},  # a module outside the model: held
+        # the latest trace only: a model's other modes are rarely asked for again
+        _TRACES[model] = (
+            key,
+            Traced(
+                gm,
+                {names[m]: mode for m, mode in modes.items()},
+                nodes,
+                _carries(nodes),
+                {n.name: i for i, n in enumerate(nodes)},
+                {(names[m], k): v for (m, k), v in reads.items() if m in names},  # a module outside the model: held
+            ),
         )
-    return kept[key]
+    return _TRACES[model][1]
