@@ -177,6 +177,9 @@ class _Recursion:
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]
+        if c.without_grad is not None:  # NOTE [A block run without gradients is kept] in remat.planning._solve
+            runs = np.concatenate([[0], np.cumsum(c.without_grad)])
+            self.span_ok &= runs[None, :] == runs[:, None]
         if c.same_args is not None:  # and get the same arguments: none of blocks s+1..e-1 gets others than before
             moved = np.concatenate([[0], np.cumsum(~c.same_args)])
             moved = np.append(moved, moved[-1])
@@ -343,6 +346,7 @@ def costs_of(profile: Profile) -> Costs | None:
     inside = np.array([p not in _SELECTIVE for p in ch.policies])
     writes = np.array([by_name[b].writes_input for b in ch.blocks])  # NOTE [Inputs written in place inside a segment]
     shared = shared_storages(profile, ch)
+    without_grad = np.array([by_name[b].without_grad for b in ch.blocks])
     return Costs(
         ch,
         out,
@@ -360,6 +364,7 @@ def costs_of(profile: Profile) -> Costs | None:
         copies_of(profile, ch),
         snapshots_of(profile, ch),
         views_of(profile, ch),
+        without_grad if without_grad.any() else None,
     )
 
 

@@ -103,6 +103,9 @@ class Costs:
     views: np.ndarray | None = None
     """[n]: block k's output shares storage with its input (NOTE [A block whose output is a view of its input] in
     remat.planning._nested_views); None: no block's."""
+    without_grad: np.ndarray | None = None
+    """[n]: every forward of block k ran with gradients off: it is in no segment (NOTE [A block run without
+    gradients is kept] in remat.planning._solve); None: no block's."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,22 @@ apply's rule: such a block (``BlockProfile.single_op``) takes only ``keep`` one 
 (``Chain.outside``), in every solver (this DP, the nested DP's top level, the greedy
 fallback, the uniform and hand-made strategies). Inside a nested segment it may take any
 policy, as apply allows there: the segment recomputes the run of layers around it.
+
+NOTE [A block run without gradients is kept]
+A block whose every forward in the step runs with gradients off (under the parent's
+``torch.no_grad``, or inside an autograd Function's forward, as Reformer's reversible
+layers run) saves nothing for a backward, so checkpointing it frees nothing there. What
+its policy does change happens elsewhere, where nothing hooks it: Reformer's Function
+calls the layer's parts again in its own backward, with gradients on, so a fine policy
+checkpoints them there. The profile's uniform runs measured that saving, but against the
+wrong block: a plan keeping layer 0 and checkpointing layer 1 was predicted 9.3% below
+its measured peak, and the mirror plan above it. So every solver keeps such a block
+(``BlockProfile.without_grad``), one level deep as a lone layer (``Chain.outside``) and
+in no nested segment (``Costs.without_grad``): the floor is what the rest of the model
+frees. A plan made by hand that checkpoints one is predicted as if it kept it
+(``Profile.timeline``): what that frees in the Function's backward is not counted, and
+the mis-credited saving is not taken either (Reformer's every mix: measured at or below
+the prediction).
 """
 
 from __future__ import annotations
@@ -36,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.core._policy_registry import KEEP
-from remat.profiling._types import Key, Profile, SegmentCost
+from remat.profiling._types import BlockProfile, Key, Profile, SegmentCost
 
 _GRID_STEPS = 2**15
 
@@ -150,8 +166,14 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
         profile.resting_bytes + top,
         extra,
         bwd_delta,
-        np.array([[p == KEEP or not by_name[b].single_op for p in pols] for b in fwd_blocks]).reshape(n, P),
+        np.array([[p == KEEP or not _kept(by_name[b]) for p in pols] for b in fwd_blocks]).reshape(n, P),
     )
+
+
+def _kept(block: BlockProfile) -> bool:
+    """Kept one level deep (NOTE [A lone layer is kept one level deep], NOTE [A block run without gradients is
+    kept])."""
+    return block.single_op or block.without_grad
 
 
 def _grid(chain: Chain) -> tuple[int, int, int]:
@@ -205,7 +227,7 @@ def solve(chain: Chain, budget: float, *, minimise_peak: bool = False) -> tuple[
             candidates = np.full((P, cells), np.inf)
             for j in allowed_last if k == n - 1 else range(P):
                 if chain.outside is not None and not chain.outside[k, j]:
-                    continue  # NOTE [A lone layer is kept one level deep]
+                    continue  # NOTE [A lone layer is kept one level deep], [A block run without gradients is kept]
                 fwd_top = chain.start + levels + chain.fwd_peak[k, j]
                 bwd_top = (
                     chain.start

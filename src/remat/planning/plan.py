@@ -154,7 +154,7 @@ def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None
 def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
     """The hand-made ``strategy``'s plan, its lone layers kept (NOTE [A lone layer is kept one level deep] in
     remat.planning._solve)."""
-    lone = _lone_layers(profile)
+    lone = _kept_blocks(profile)
     return {n: p for n, p in _hand_made(profile, strategy).items() if n not in lone}
 
 
@@ -182,9 +182,10 @@ def _hand_made(profile: Profile, strategy: str) -> dict[str, str]:
     )
 
 
-def _lone_layers(profile: Profile) -> set[str]:
-    """The blocks a plan keeps one level deep (NOTE [A lone layer is kept one level deep] in remat.planning._solve)."""
-    return {b.name for b in profile.blocks if b.single_op}
+def _kept_blocks(profile: Profile) -> set[str]:
+    """The blocks a plan keeps one level deep (NOTE [A lone layer is kept one level deep] and NOTE [A block run
+    without gradients is kept] in remat.planning._solve)."""
+    return {b.name for b in profile.blocks if b.single_op or b.without_grad}
 
 
 def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: int | None, minimum: int) -> Plan:
@@ -209,7 +210,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
 def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
     """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
     assignment: dict[str, str] = {}
-    order, lone = list(NAMES), _lone_layers(profile)
+    order, lone = list(NAMES), _kept_blocks(profile)
     while profile.predict_peak(assignment) > budget:
         current = profile.predict_peak(assignment)
         best = None
@@ -242,7 +243,7 @@ def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
 
 def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
-    names = [b.name for b in profile.blocks if b.name not in _lone_layers(profile)]
+    names = [b.name for b in profile.blocks if b.name not in _kept_blocks(profile)]
     candidates: list[dict[str, str]] = [{}]
     candidates += [{n: p for n in names} for p in NAMES if p != KEEP and p in profile.policies]
     if chain is not None:

@@ -308,6 +308,7 @@ def _block_profiles(
                 },
                 buffer_snapshots=sum(keep_segments[k].buffer_snapshots for k in fwd_keys),
                 views_input=any(keep_segments[k].views_input for k in fwd_keys),
+                without_grad=all(keep_segments[k].without_grad for k in fwd_keys),
                 single_op=name in single_op,
             )
         )

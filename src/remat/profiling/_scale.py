@@ -80,6 +80,7 @@ def profile_at_batch(p1: Profile, b1: int, p2: Profile, b2: int, batch: int) -> 
             buffer_copies=per_policy(a.buffer_copies, b.buffer_copies),
             buffer_snapshots=max(a.buffer_snapshots, b.buffer_snapshots),
             views_input=a.views_input,
+            without_grad=a.without_grad and b.without_grad,
             single_op=a.single_op,
         )
         for a, b in zip(p1.blocks, p2.blocks)

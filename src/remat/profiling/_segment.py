@@ -47,6 +47,9 @@ class Segment:
     views_input: bool = False
     """A block's forward: the first tensor it returned shares storage with the first tensor it was called with
     (NOTE [A block whose output is a view of its input] in remat.planning._nested_views)."""
+    without_grad: bool = False
+    """A block's forward: it began with gradients off (NOTE [A block run without gradients is kept] in
+    remat.planning._solve)."""
 
     @property
     def key(self) -> tuple[str, str | None, int]:

@@ -262,6 +262,7 @@ class SegmentRecorder:
             if seg is None:
                 raise RuntimeError("begin() opens a segment")
             self.ledger.note_inputs(name, seg.occurrence, args, kwargs)
+            seg.without_grad = not torch.is_grad_enabled()
             if self.tracker is not None:
                 self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
                 self._snapshots = _small_buffers(module)

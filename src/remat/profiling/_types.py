@@ -82,6 +82,10 @@ class BlockProfile:
     """Its output shares storage with the tensor it is called with (a Flatten, a reshape): a segment's forward
     holds that storage until the block after it has run (NOTE [A block whose output is a view of its input] in
     ``remat.planning._nested_views``)."""
+    without_grad: bool = False
+    """Every forward of it in the step ran with gradients off (under the parent's ``torch.no_grad``, inside an
+    autograd Function's forward): every plan keeps it (NOTE [A block run without gradients is kept] in
+    ``remat.planning._solve``)."""
     single_op: bool = False
     """A lone single-op torch layer (a Linear, a LayerNorm): kept one level deep, checkpointed only inside a
     nested segment (NOTE [A lone layer is kept one level deep] in ``remat.planning._solve``)."""
@@ -189,7 +193,9 @@ class Profile:
 
     def timeline(self, assignment: Mapping[str, str] | Any | None = None) -> list[tuple[Key, int, int]]:
         """(segment, live bytes at its start, most live inside it) along the composed step."""
-        assignment = self._check(assignment)
+        # NOTE [A block run without gradients is kept] in remat.planning._solve: predicted as kept
+        kept = {b.name for b in self.blocks if b.without_grad}
+        assignment = {b: p for b, p in self._check(assignment).items() if b not in kept}
         steps = self._segment_policies(assignment)
         fixes = corrections(self.crossings, self.recomputes, steps, assignment)
         releases = {k for segs in self.segments.values() for k, c in segs.items() if c.cast_release}
