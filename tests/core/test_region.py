@@ -232,3 +232,32 @@ def test_blocks_that_write_in_place_train_under_every_policy(kind, policy):
     for block in model[1:4]:
         remat.wrap(block, policy=policy)
     _steps_match(ref, model, x, 3)  # selective: op-level on the first call, by module after
+
+
+def test_a_version_recorded_for_an_input_counts_only_for_that_tensor():
+    # NOTE [An input's version is its tensor's]: a region inside a nested segment lets go of its inputs and is
+    # handed others when it recomputes; one of them at a dead input's id is another tensor, not a modified one
+    first = torch.zeros(8, 8)
+    r = region.Region((first,), {}, None, None)
+    r.finish_forward()
+    r.release_inputs()
+    dead, held = id(first), []
+    del first
+    for _ in range(10_000):
+        other = torch.zeros(8, 8).add_(1)  # version 1; the input it replaces was recorded at 0
+        if id(other) == dead:
+            break
+        held.append(other)  # so that the next tensor is made elsewhere
+    assert id(other) == dead, "no tensor took the dead input's id"
+    r.restore_inputs((other,))
+    (handed,), _ = r.recompute_inputs()
+    assert handed is other
+
+
+def test_an_input_written_after_the_call_is_still_refused():
+    x = torch.zeros(8, 8)
+    r = region.Region((x,), {}, None, None)
+    r.finish_forward()
+    x.add_(1)
+    with pytest.raises(remat.RecomputeError, match=r"modified in place after the call \(version 0 -> 1"):
+        r.recompute_inputs()

@@ -181,6 +181,21 @@ class Learned:
     """The modules with buffers it entered, and those under the checkpointed module: watched from the start."""
 
 
+# NOTE [An input's version is its tensor's]
+# A region records each input's version counter at the end of its forward, to refuse a
+# recomputation from an input written in place since. The record is looked up by the
+# tensor's id(), and an id is reused once its tensor dies: a region inside a nested segment
+# lets go of its inputs after its forward (NOTE [Regions inside regions] in
+# remat.core.checkpoint) and is handed others when it recomputes, and when one of them
+# took a dead input's id, their versions were compared (a traced model at its nested
+# floor raised "modified in place (version 1 -> 0)" in 1-7% of its training steps, on
+# a plan remat.auto had verified). So a record holds a weak reference to its tensor and
+# counts only for that tensor.
+def _versions(inputs: list[torch.Tensor]) -> dict[int, tuple[weakref.ref, int]]:
+    """id -> (the tensor, weakly; its version now) of each input."""
+    return {id(t): (weakref.ref(t), t._version) for t in inputs}
+
+
 class Region:
     """Inputs, watched storages and their pre-forward values for one checkpointed call."""
 
@@ -208,10 +223,18 @@ class Region:
         self.recomputations = 0
         self._leaves: list[Any] | None = None
         inputs = self.input_tensors()
-        self.input_versions: dict[int, int] = {id(t): t._version for t in inputs}
+        self.input_versions = _versions(inputs)
         if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
             for t in inputs:
                 self.watched.setdefault(storage_key(t), t)
+
+    def version_then(self, t: torch.Tensor) -> int | None:
+        """The version input ``t`` had when recorded, where it has changed since; None if it has not, or if ``t``
+        is not a tensor recorded (NOTE [An input's version is its tensor's])."""
+        then = self.input_versions.get(id(t))
+        if then is None or then[0]() is not t or then[1] == t._version:
+            return None
+        return then[1]
 
     @property
     def watches_ops(self) -> bool:
@@ -261,7 +284,7 @@ class Region:
                 if self.watched[k]._version != self.entry_versions[k]
                 or not _same_values(v, self.watched[k], expected=k in self.expected)
             }
-        self.input_versions = {id(t): t._version for t in inputs}
+        self.input_versions = _versions(inputs)
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
@@ -283,7 +306,7 @@ class Region:
     def _check_unwatched_writes(self, inputs: list[torch.Tensor]) -> None:
         from remat.errors import RecomputeError
 
-        changed = [t for t in inputs if t._version != self.input_versions[id(t)]]
+        changed = [t for t in inputs if self.version_then(t) is not None]
         unkept = [k for k, v in self.entry_versions.items() if self.watched[k]._version != v and k not in self.before]
         if changed or unkept:
             what = "one of its inputs" if changed else f"a buffer of shape {tuple(self.watched[unkept[0]].shape)}"
@@ -357,11 +380,7 @@ class Region:
         from remat.errors import RecomputeError
 
         fresh_copies, self._fresh = self._fresh, {}  # the recomputation's own: not held after it
-        if (
-            not fresh_copies
-            and not self.before
-            and all(t._version == self.input_versions.get(id(t), t._version) for t in self.input_tensors())
-        ):
+        if not fresh_copies and not self.before and all(self.version_then(t) is None for t in self.input_tensors()):
             return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
 
         def fresh(t: Any) -> Any:
@@ -370,10 +389,11 @@ class Region:
             key = storage_key(t)
             if key in fresh_copies:
                 return fresh_copies[key]
-            if t._version != self.input_versions.get(id(t), t._version):
+            then = self.version_then(t)
+            if then is not None:
                 raise RecomputeError(  # torch's own check raises a RuntimeError here (NOTE [Caught like torch's])
                     "remat.checkpoint: an input of a checkpointed function was modified in place "
-                    f"after the call (version {self.input_versions[id(t)]} -> {t._version}, shape "
+                    f"after the call (version {then} -> {t._version}, shape "
                     f"{tuple(t.shape)}); recomputing from it would give wrong gradients. Clone the "
                     "tensor before modifying it, or modify it inside the checkpointed function."
                 )
