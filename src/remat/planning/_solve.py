@@ -166,11 +166,11 @@ def chain_of(profile: Profile, credit: int = 0) -> Chain | None:
         profile.resting_bytes + top,
         extra,
         bwd_delta,
-        np.array([[p == KEEP or not _kept(by_name[b]) for p in pols] for b in fwd_blocks]).reshape(n, P),
+        np.array([[p == KEEP or not kept_one_level(by_name[b]) for p in pols] for b in fwd_blocks]).reshape(n, P),
     )
 
 
-def _kept(block: BlockProfile) -> bool:
+def kept_one_level(block: BlockProfile) -> bool:
     """Kept one level deep (NOTE [A lone layer is kept one level deep], NOTE [A block run without gradients is
     kept])."""
     return block.single_op or block.without_grad

@@ -12,7 +12,7 @@ from remat.errors import RematError
 from remat.planning._budget import ACCEPTED_BUDGETS, parse_budget
 from remat.planning._nested_plan import nested_floor, plan_nested
 from remat.planning._plan_checks import check_plan_fields
-from remat.planning._solve import cast_credits, chain_of, relax, solve
+from remat.planning._solve import cast_credits, chain_of, kept_one_level, relax, solve
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
@@ -152,10 +152,10 @@ def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None
 
 
 def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
-    """The hand-made ``strategy``'s plan, its lone layers kept (NOTE [A lone layer is kept one level deep] in
-    remat.planning._solve)."""
-    lone = _kept_blocks(profile)
-    return {n: p for n, p in _hand_made(profile, strategy).items() if n not in lone}
+    """The hand-made ``strategy``'s plan, its lone layers and blocks run without gradients kept (NOTE [A lone layer
+    is kept one level deep] in remat.planning._solve)."""
+    kept = _kept_blocks(profile)
+    return {n: p for n, p in _hand_made(profile, strategy).items() if n not in kept}
 
 
 def _hand_made(profile: Profile, strategy: str) -> dict[str, str]:
@@ -185,7 +185,7 @@ def _hand_made(profile: Profile, strategy: str) -> dict[str, str]:
 def _kept_blocks(profile: Profile) -> set[str]:
     """The blocks a plan keeps one level deep (NOTE [A lone layer is kept one level deep] and NOTE [A block run
     without gradients is kept] in remat.planning._solve)."""
-    return {b.name for b in profile.blocks if b.single_op or b.without_grad}
+    return {b.name for b in profile.blocks if kept_one_level(b)}
 
 
 def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: int | None, minimum: int) -> Plan:
@@ -210,12 +210,12 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
 def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
     """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
     assignment: dict[str, str] = {}
-    order, lone = list(NAMES), _kept_blocks(profile)
+    order, kept = list(NAMES), _kept_blocks(profile)
     while profile.predict_peak(assignment) > budget:
         current = profile.predict_peak(assignment)
         best = None
         for b in profile.blocks:
-            if b.name in lone:
+            if b.name in kept:
                 continue
             now = assignment.get(b.name, KEEP)
             for p in order[order.index(now) + 1 :]:

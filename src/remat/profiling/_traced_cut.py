@@ -15,7 +15,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from remat.errors import RematError
-from remat.profiling._traced_reads import MISSING, plain_attributes, put_back_attributes, reads_recorded, same
+from remat.profiling._traced_reads import WatchedReads, plain_attributes, put_back_attributes, reads_recorded
 
 #: Most segments a traced forward is cut into (the nested planner's chain grows with it).
 MAX_SEGMENTS = 32
@@ -370,18 +370,12 @@ def _key(model: nn.Module, training: bool | None) -> tuple:
     return modes, tuple((name, type(m)) for name, m in model.named_modules())
 
 
-def _reads_hold(model: nn.Module, reads: dict[tuple[str, str], Any]) -> bool:
-    """Every plain attribute the trace read has the value it read."""
-    owners = dict(model.named_modules())
-    return all(same(vars(owners[name]).get(k, MISSING), v) for (name, k), v in reads.items())
-
-
 def traced(model: nn.Module, training: bool | None) -> Traced:
     """``model``'s forward traced in ``training`` mode (None: its modes now), kept (NOTE [One trace per model
     and mode])."""
     key = _key(model, training)
     kept = _TRACES.get(model)
-    if kept is None or kept[0] != key or not _reads_hold(model, kept[1].reads):
+    if kept is None or kept[0] != key or not WatchedReads(model, kept[1].reads).unchanged():
         gm, modes, reads = _trace(model, training)
         nodes = list(gm.graph.nodes)
         names = {module: name for name, module in model.named_modules()}  # names: the kept trace holds no module
