@@ -13,6 +13,7 @@ train for a few steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -74,6 +75,16 @@ def report(lines: list[str]) -> None:
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
+    train(args)
+    # FSDP2's modules hold the process group in reference cycles, which only the collector frees: collected
+    # here, the group's last reference goes in destroy_process_group and gloo stops its threads there, not
+    # while the interpreter is being torn down (where gloo can abort a finished run).
+    gc.collect()
+    dist.barrier()  # no rank closes its connections while another is still printing or reducing
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share this machine's cores
     torch.manual_seed(rank)  # GPT-2's dropout masks: reproducible runs, --fsdp and --ddp alike
@@ -103,8 +114,6 @@ def main() -> None:
         dist.all_reduce(loss)  # the mean loss over ranks, for printing
         if rank == 0:
             print(f"step {step}: loss {loss.item() / world:.4f}", flush=True)
-    dist.barrier()  # no rank closes its connections while another is still printing or reducing
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -412,10 +412,11 @@ EXPECTED_LINES = ("FSDP2 on 2 ranks. optimal plan", "rank 0: peak", "rank 1: pea
 def _aborted_after_finishing(done: subprocess.CompletedProcess) -> bool:
     """Everything printed, then a rank aborted while its interpreter was shutting down.
 
-    Seen about once in 50 runs on this machine (torch 2.13, gloo): "terminate called
-    without an active exception" in a thread of the exiting process, with no Python
-    frame left, after the last step was printed and the process group destroyed.
-    Nothing of remat runs by then (it starts no threads).
+    Seen about once in 50 runs on a 2-core machine (torch 2.13, gloo) and twice in a row on a CI
+    machine (torch 2.14.1): "terminate called without an active exception" in a thread of the
+    exiting process, with no Python frame left, after the last step was printed and the process
+    group destroyed. Nothing of remat runs by then (it starts no threads); the example frees
+    FSDP2's cycles before destroying the group, which should stop gloo's threads in time.
     """
     return (
         done.returncode != 0
@@ -425,14 +426,23 @@ def _aborted_after_finishing(done: subprocess.CompletedProcess) -> bool:
     )
 
 
+def _fatal_part(stderr: str) -> str:
+    """The fatal error and the threads faulthandler dumped, else the end of ``stderr``."""
+    at = stderr.find("terminate called")
+    return stderr[at : at + 3000] if at >= 0 else stderr[-3000:]
+
+
 def test_example_trains_under_torchrun():
     done = _run_example()
-    if _aborted_after_finishing(done):
+    for _ in range(2):  # up to three runs in all: the abort is torch's, the test checks what remat promises
+        if not _aborted_after_finishing(done):
+            break
         warnings.warn(
-            f"gloo aborted at interpreter exit after the example finished; retrying once:\n{done.stderr[-1500:]}",
+            "gloo aborted at interpreter exit after the example finished; running it again:\n"
+            + _fatal_part(done.stderr),
             stacklevel=1,
         )
         done = _run_example()
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-2000:]}\nstderr:\n{_fatal_part(done.stderr)}"
     for line in EXPECTED_LINES:
         assert line in done.stdout, done.stdout
