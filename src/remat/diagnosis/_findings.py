@@ -22,8 +22,7 @@ class Finding:
     code: str
     """Stable identifier: ``frozen-by-checkpoint``, ``wrong-gradients``, ``rng-not-preserved``,
     ``saved-random-op``, ``rng-stream-changed``, ``buffers-updated-twice``, ``side-effects-repeated``,
-    ``checkpoint-does-not-pay``,
-    ``risky-call`` or ``illusory-speedup``."""
+    ``not-reproducible``, ``checkpoint-does-not-pay``, ``risky-call`` or ``illusory-speedup``."""
     severity: str
     """``"error"``: training differs from the model without checkpointing; ``"warning"``:
     training is right but the checkpointing is wasteful, risky or misread."""

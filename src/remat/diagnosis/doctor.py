@@ -7,7 +7,9 @@ checkpointing, so the doctor runs one training step twice from identical weights
 buffers, RNG state and Python attributes: once with every checkpoint call turned into a
 plain call (``remat.diagnosis._intercept``), once as written, observing each checkpointed
 call (its site, implementation, inputs, the modules and random ops inside it). It then
-compares gradients, buffers, Python side effects and module call counts. With
+compares gradients, buffers, Python side effects and module call counts (leaving out what
+differs between two steps without checkpointing: NOTE [A model must agree with itself
+before checkpointing is blamed] in ``remat.diagnosis._noise``). With
 ``measure_cost=True`` it also measures (``remat.measure``) the step without checkpointing,
 as written, and as written minus one top-level region at a time (peaks from one tracked
 step each, times from interleaved rounds), for the regions that cost time without
@@ -37,6 +39,7 @@ from remat.diagnosis import _cost_checks as cost_checks
 from remat.diagnosis._calls import CallKey, CheckpointCall
 from remat.diagnosis._findings import ERROR, Costs, Finding, StepRecord
 from remat.diagnosis._intercept import Interceptor, always, never, observing, session
+from remat.diagnosis._noise import Differences, check_reproducible, differences, without_noise
 from remat.diagnosis._python_state import PythonState
 from remat.errors import RematError
 from remat.planning._put import applied_budget
@@ -281,6 +284,10 @@ def doctor(
                 ref = _step(run, plain=True)
                 stage = "the step with the model's checkpointing (it ran fine without)"
                 ck = _step(run, plain=False)
+                noise = Differences()
+                if differences(ref, ck, rtol, atol):
+                    stage = "a second step without checkpointing"
+                    noise = differences(ref, _step(run, plain=True), rtol, atol)
                 stage = "the measured steps"
                 costs = _costs(run, ck, warmup, repeat) if measure_cost and ck.calls else None
         except RematError:
@@ -291,7 +298,7 @@ def doctor(
                 "fix the error (run one step yourself to see the full traceback), then run the doctor again."
             ) from exc
     budget = applied_budget(model)
-    return _report(ref, ck, costs, state, python, _leaf_names(model), rtol, atol, min_saving, budget)
+    return _report(ref, ck, noise, costs, state, python, _leaf_names(model), rtol, atol, min_saving, budget)
 
 
 def _eagerly() -> Any:
@@ -307,6 +314,7 @@ def _leaf_names(model: nn.Module) -> set[str]:
 def _report(
     ref: StepRecord,
     ck: StepRecord,
+    noise: Differences,
     costs: Costs | None,
     state: ModelState,
     python: PythonState,
@@ -316,6 +324,8 @@ def _report(
     min_saving: float,
     budget: int | None,
 ) -> DoctorReport:
+    unchecked = check_reproducible(noise, ref.grads)
+    ref, ck = without_noise(ref, noise), without_noise(ck, noise)
     frozen = checks.frozen(ref, ck)
     findings = [
         *checks.check_frozen(ref, ck, frozen),
@@ -325,6 +335,7 @@ def _report(
         *checks.check_rng_stream(ref, ck),
         *checks.check_buffers(ref, ck, state.buffers),
         *checks.check_side_effects(ref, ck, python.hooks),
+        *unchecked,
         *(cost_checks.check_cost(ck, costs, leaves, min_saving, budget) if costs is not None else ()),
         *cost_checks.check_risky(ck),
         *cost_checks.check_speedup(costs, ref, frozen),
