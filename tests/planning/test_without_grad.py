@@ -13,6 +13,7 @@ from conftest import assert_grads_equal, twin
 from torch import nn
 
 import remat
+from remat.planning.plan import no_saving_reason
 
 D = 32
 
@@ -101,6 +102,42 @@ def test_every_plan_keeps_them_and_the_floor_holds():
         assert_grads_equal(reference, model)
     finally:
         remat.remove(model)
+
+
+def test_the_plan_names_them_and_keeps_them_through_json():
+    model, x = _built()
+    profile = remat.profile(model, x, loss_fn=_loss, repeat=1, warmup=0)
+    for plan in (remat.plan(profile, strategy="all"), remat.plan(profile, remat.plan(profile, 1.0).min_peak_bytes)):
+        assert set(plan.without_grad) == RUN_WITHOUT_GRAD
+        assert remat.Plan.from_json(plan.to_json()) == plan
+
+
+class _FrozenTrunk(nn.Module):
+    """Every block under the parent's no_grad, a trained head after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.ModuleList(_mlp() for _ in range(3))
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for block in self.trunk:
+                x = x + block(x)
+        return self.head(x)
+
+
+def test_a_model_whose_blocks_all_run_without_gradients_is_told_why_nothing_saves():
+    torch.manual_seed(0)
+    profile = remat.profile(_FrozenTrunk(), torch.randn(4, 64, D), loss_fn=_loss, repeat=1, warmup=0)
+    plan = remat.plan(profile, strategy="all")
+    assert not plan.checkpointed and set(plan.without_grad) == {"trunk.0", "trunk.1", "trunk.2"}
+    text = plan.summary()
+    assert "No plan lowers this model's peak by more than 1%: all 3 blocks run with gradients off" in text
+    assert "rebuilds the same tensors" not in text
+    mixed = no_saving_reason(["a"], 3)
+    assert "rebuilds the same tensors" in mixed and "the 1 of 3 blocks that run with gradients off" in mixed
+    assert no_saving_reason([], 3).endswith("backward).")
 
 
 def _reformer():

@@ -43,7 +43,7 @@ from remat.core._state import capture
 from remat.core._step import training_step
 from remat.core.measure import measure_peak
 from remat.errors import RematError
-from remat.planning.plan import Plan
+from remat.planning.plan import Plan, no_saving_reason
 from remat.zoo import ZooModel, build
 
 __all__ = ["bench_model", "run_bench", "QUICK"]
@@ -170,10 +170,11 @@ def _remat_setups(
         key = (tuple(sorted(plan.assignment.items())), plan.segments)
         plans.setdefault(key, ([], plan))[0].append(label)
     if minimum >= 0.99 * prof.baseline_peak_bytes:
+        kept = [b.name for b in prof.blocks if b.without_grad]
         notes.append(
-            "No plan lowers the peak by more than 1%: it is set where recomputation rebuilds the same "
-            "tensors (inside the first block's backward), so remat keeps every block instead of "
-            "recomputing for nothing."
+            "No plan lowers the peak by more than 1%: "
+            + no_saving_reason(kept, len(prof.blocks))
+            + " remat keeps every block instead of recomputing for nothing."
         )
     return [remat_plan(plan, " = ".join(labels)) for labels, plan in plans.values()]
 

@@ -57,7 +57,7 @@ def check_plan_fields(data: dict[str, Any]) -> None:
         if name in data and not (data[name] is None and nullable) and not _is(data[name], kind):
             want = ("a non-negative " if kind == _INT else "") + kind + (" or null" if nullable else "")
             raise _field_error(name, data[name], want)
-    for name in ("notes", "unchained"):
+    for name in ("notes", "unchained", "without_grad"):
         value = data.get(name, [])
         if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
             raise _field_error(name, value, "a list of strings")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
@@ -68,6 +69,9 @@ class Plan:
     """Blocks whose output the profiled forward read outside the next block (a skip, a list the parent keeps,
     a write in place): ``remat.apply`` refuses a segment holding one (NOTE [What the parent does with a
     block's output] in remat.planning._nested), hand-made segments too."""
+    without_grad: tuple[str, ...] = ()
+    """Blocks every profiled forward of which ran with gradients off: they save nothing for backward, so every
+    plan keeps them (NOTE [A block run without gradients is kept] in remat.planning._solve)."""
 
     @property
     def verified(self) -> bool:
@@ -107,9 +111,8 @@ class Plan:
             text += f" Peaks include {self.loop}."
         text += "".join(f" {note}" for note in self.notes)
         if self.min_peak_bytes >= self.baseline_peak_bytes * 0.99:
-            text += (
-                " No plan lowers this model's peak by more than 1%: the peak is set where "
-                "recomputation rebuilds the same tensors (typically inside the first block's backward)."
+            text += " No plan lowers this model's peak by more than 1%: " + no_saving_reason(
+                self.without_grad, len(self.assignment)
             )
         return text
 
@@ -130,8 +133,27 @@ class Plan:
             )
         check_plan_fields(data)
         segments = tuple(tuple(pair) for pair in data.get("segments", ()))
-        unchained = tuple(data.get("unchained", ()))
-        return cls(**{**data, "notes": tuple(data.get("notes", ())), "segments": segments, "unchained": unchained})
+        lists = {name: tuple(data.get(name, ())) for name in ("notes", "unchained", "without_grad")}
+        return cls(**{**data, **lists, "segments": segments})
+
+
+def no_saving_reason(without_grad: Sequence[str], blocks: int) -> str:
+    """Why no plan lowers a model's peak, for a plan summary or a benchmark note."""
+    if without_grad and len(without_grad) >= blocks:
+        return (
+            f"{'its block runs' if blocks == 1 else f'all {blocks} blocks run'} with gradients off (inside an "
+            "autograd Function's forward, as reversible layers do, or under no_grad), so they save nothing for "
+            "backward and checkpointing them frees nothing."
+        )
+    rebuilds = (
+        "the peak is set where recomputation rebuilds the same tensors (typically inside the first block's backward)"
+    )
+    if not without_grad:
+        return rebuilds + "."
+    return (
+        f"{rebuilds}, or inside the {len(without_grad)} of {blocks} blocks that run with gradients off (they save "
+        "nothing for backward, so every plan keeps them)."
+    )
 
 
 def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None) -> dict[str, str] | None:
@@ -204,6 +226,7 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
         parameters=profile.parameters,
         loop=profile.loop,
         unchained=tuple(profile.unchained),
+        without_grad=tuple(b.name for b in profile.blocks if b.without_grad),
     )
 
 
@@ -375,4 +398,5 @@ def _nested(profile: Profile, limit: int, minimum: int) -> Plan | None:
         segments=segments,
         loop=profile.loop,
         unchained=tuple(profile.unchained),
+        without_grad=tuple(b.name for b in profile.blocks if b.without_grad),
     )
