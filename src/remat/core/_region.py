@@ -61,6 +61,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
+from remat.core import _nested_writes as nested_writes
 from remat.core._timing import WallClock
 from remat.core._writes import storage_key
 
@@ -222,6 +223,7 @@ class Region:
         self.forward_done = False  # a recomputation may begin before (NOTE in remat.core._contexts)
         self.recomputations = 0
         self._leaves: list[Any] | None = None
+        self._forward_keys: dict[int, int] = {}
         inputs = self.input_tensors()
         self.input_versions = _versions(inputs)
         if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
@@ -284,6 +286,8 @@ class Region:
                 if self.watched[k]._version != self.entry_versions[k]
                 or not _same_values(v, self.watched[k], expected=k in self.expected)
             }
+        if is_recomputing():  # NOTE [A write after a call inside a recomputation] in remat.core._nested_writes
+            nested_writes.remember(inputs, [self.input_versions[id(t)][1] for t in inputs])
         self.input_versions = _versions(inputs)
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
@@ -322,6 +326,7 @@ class Region:
         """Drop the references to the input tensors (torch holds them through the enclosing hooks)."""
         leaves, self._spec = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
         self._slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self._slot_keys = [storage_key(leaves[i]) for i in self._slots]
         for i in self._slots:
             key = storage_key(leaves[i])
             if key not in self.before:
@@ -338,6 +343,9 @@ class Region:
         leaves = list(self._leaves)
         for i, t in zip(self._slots, tensors):
             leaves[i] = t
+        # The outer recomputation's tensors, other storages than the forward's: the copies of what the forward
+        # wrote are found by the slot's key in the forward (NOTE [What recomputation must not repeat]).
+        self._forward_keys = {id(t): key for t, key in zip(tensors, self._slot_keys)}
         self._inputs = None
         self.args, self.kwargs = torch.utils._pytree.tree_unflatten(leaves, self._spec)
 
@@ -377,29 +385,42 @@ class Region:
         self._fresh = {}
 
     def recompute_inputs(self) -> tuple[tuple, dict]:
-        from remat.errors import RecomputeError
-
         fresh_copies, self._fresh = self._fresh, {}  # the recomputation's own: not held after it
-        if not fresh_copies and not self.before and all(self.version_then(t) is None for t in self.input_tensors()):
+        handed = self._leaves is not None  # by torch: NOTE [Regions inside regions] in remat.core.checkpoint
+        if (
+            not handed
+            and not fresh_copies
+            and not self.before
+            and all(self.version_then(t) is None for t in self.input_tensors())
+        ):
             return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
 
         def fresh(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
+            recorded = nested_writes.recorded(t) if handed else None
+            if recorded is not None:
+                return self._handed_input(t, recorded, fresh_copies)
             key = storage_key(t)
             if key in fresh_copies:
                 return fresh_copies[key]
             then = self.version_then(t)
             if then is not None:
-                raise RecomputeError(  # torch's own check raises a RuntimeError here (NOTE [Caught like torch's])
-                    "remat.checkpoint: an input of a checkpointed function was modified in place "
-                    f"after the call (version {then} -> {t._version}, shape "
-                    f"{tuple(t.shape)}); recomputing from it would give wrong gradients. Clone the "
-                    "tensor before modifying it, or modify it inside the checkpointed function."
-                )
+                raise nested_writes.written_error(t, then, t._version, handed=False)
             return t
 
         return torch.utils._pytree.tree_map(fresh, (self.args, self.kwargs))
+
+    def _handed_input(self, t: torch.Tensor, recorded: tuple[int, int], fresh_copies: dict) -> torch.Tensor:
+        """What to recompute from for a tensor torch handed back from the outer recomputation's run of this call
+        (NOTE [A write after a call inside a recomputation] in remat.core._nested_writes)."""
+        entry, end = recorded
+        key = self._forward_keys.get(id(t))
+        if entry != end and key in fresh_copies:  # the call wrote it: the forward's copy of the value before
+            return fresh_copies[key]
+        if t._version != end:
+            raise nested_writes.written_error(t, end, t._version, handed=True)
+        return t
 
     @contextlib.contextmanager
     def swapped_buffers(self) -> Iterator[None]:

@@ -37,26 +37,29 @@ one cache per such forward (the copy a recomputation makes lives "for a while", 
 known how long, so it is counted until the block's backward).
 
 NOTE [Inputs written in place inside a segment]
-A checkpointed call copies, before the write, each input its forward writes in place
-(NOTE [What recomputation must not repeat] in remat.core._region) and keeps the copy
-until its recomputation. A segment's region does so for the segment's input, and so
-does every region that begins at the same block (a sub-segment, the block itself when
-checkpointed), each with its own copy; a nested region also holds the written input
-itself. A segment whose last block writes its input, or that ends before such a block
-(whose output the next block then writes after the segment), measured one to two inputs
-over the walk on a flat conv chain. Inside a segment, though, a writer whose input the
-segment made (the block before it in the same segments, both under keep) writes a tensor
-no region copies: ``Conv2d, BatchNorm2d, ReLU(inplace=True)`` repeated, segments from
-conv to conv, measured to the byte but for BatchNorm's buffers (below). So a segment
-never begins or ends at a block that writes its input (``BlockProfile.writes_input``)
-nor ends before one, and inside a segment such a block and the one before it are only
-``keep`` (``Costs.writes``); the profile says so in a note. A plan made by hand may still
-do otherwise: the walk then counts, for such a writer, one copy of its input per region
-that holds it and one more (the written input itself), live from the outermost segment's
-forward to the end of the step: over by at most that many inputs (none to three on
-generated chains), never under. The copies of BatchNorm's buffers each region keeps for its
-recomputation (their values as the forward saw them) the walk counts as NOTE [Buffers a
-region keeps for its recomputation] in ``remat.planning._nested_copies`` places them.
+A checkpointed call copies, before the write, each input its forward writes in place (NOTE
+[What recomputation must not repeat] in remat.core._region) and keeps the copy until its
+recomputation. A segment's region does so for the segment's input, and so does every
+region that begins at the same block (a sub-segment, the block itself when checkpointed),
+each with its own copy; a nested region also holds the written input itself. A segment
+whose last block writes its input, or that ends before such a block (whose output the next
+block then writes after the segment), measured one to two inputs over the walk on a flat
+conv chain. Inside a segment, though, a writer whose input the segment made (the block
+before it in the same segments, both under keep) writes a tensor no region copies:
+``Conv2d, BatchNorm2d, ReLU(inplace=True)`` repeated, segments from conv to conv, measured
+to the byte but for BatchNorm's buffers (below). So a segment never begins or ends at a
+block that writes its input (``BlockProfile.writes_input``) nor ends before one, and
+inside a segment such a block and the one before it are only ``keep`` (``Costs.writes``);
+the profile says so in a note. A plan made by hand may still do otherwise: the walk then
+counts, for such a writer, one copy of its input per region that holds it and one more
+(the written input itself), and inside a segment one more again (a region inside another's
+recomputation recomputes from its copy of the value before the write, not from the tensor
+handed back: NOTE [A write after a call inside a recomputation] in
+remat.core._nested_writes), live from the outermost segment's forward to the end of the
+step: over by at most that many inputs (none to three on generated chains), never under.
+The copies of BatchNorm's buffers each region keeps for its recomputation (their values as
+the forward saw them) the walk counts as NOTE [Buffers a region keeps for its
+recomputation] in ``remat.planning._nested_copies`` places them.
 
 NOTE [The nested DP]
 Griewank / rotor's recursion with remat's per-block segment costs: ``best(s, e, m)``

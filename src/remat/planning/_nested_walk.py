@@ -224,7 +224,8 @@ def _selective_caches(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tupl
 def _written_inputs(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
     """Copies of a written input a block inside a segment, or right after one, makes (NOTE [Inputs written in
     place inside a segment] in remat.planning._nested), per step index: on the safe side, one per region that
-    holds the block and one more, live from the outermost segment's forward to the end of the step."""
+    holds the block and one more, and inside a segment one more again, live from the outermost segment's
+    forward to the end of the step."""
     if c.writes is None or not c.writes.any():
         return {}
     out: dict[int, tuple[int, int]] = {}
@@ -233,7 +234,8 @@ def _written_inputs(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[
         if not (path or path_before) or _written_inside(c, tree, k):
             continue
         first = min(p[0].start for p in (path, path_before) if p)
-        extra = (max(len(path), len(path_before)) + 1) * int(c.out[k - 1] if k > 0 else c.first_input)
+        copies = max(len(path), len(path_before)) + (2 if path else 1)
+        extra = copies * int(c.out[k - 1] if k > 0 else c.first_input)
         at = next(i for i, s in enumerate(steps) if s.place == ("fwd", first))
         d, least = out.get(at, (0, 0))
         out[at] = (d + extra, max(least, steps[at].peak + d + extra))
