@@ -287,7 +287,8 @@ class Region:
                 or not _same_values(v, self.watched[k], expected=k in self.expected)
             }
         if is_recomputing():  # NOTE [A write after a call inside a recomputation] in remat.core._nested_writes
-            nested_writes.remember(inputs, [self.input_versions[id(t)][1] for t in inputs])
+            began = [self.input_versions.get(id(t), (None, t._version))[1] for t in inputs]
+            nested_writes.remember(inputs, began)
         self.input_versions = _versions(inputs)
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
