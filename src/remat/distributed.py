@@ -40,8 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.errors import RematError
+from remat.planning._budget import parse_budget
+from remat.planning._candidates import Unreachable
 from remat.planning._within import profile_within
-from remat.planning.apply import apply, remove
+from remat.planning.apply import FINEST, apply, may_go_finer, remove
 from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
@@ -77,7 +79,14 @@ def _plan_here(profile: Profile | Callable[[], Profile], budget: Any, strategy: 
             f"remat.distributed.plan_on_rank0: expected a remat.Profile or a function returning one, "
             f"got {type(prof).__name__}."
         )
-    return make_plan(_with_ddp_buckets(prof) if ddp else prof, budget, strategy=strategy)
+    prof = _with_ddp_buckets(prof) if ddp else prof
+    try:
+        return make_plan(prof, budget, strategy=strategy)
+    except RematError as exc:
+        floor = make_plan(prof, strategy="none").min_peak_bytes
+        if budget is not None and parse_budget(budget, prof.baseline_peak_bytes) < floor:
+            raise Unreachable(str(exc)) from exc
+        raise
 
 
 def plan_on_rank0(
@@ -112,13 +121,15 @@ def plan_on_rank0(
         try:
             message[0] = ("plan", _plan_here(profile, budget, strategy, ddp).to_json())
         except Exception as exc:  # sent to the other ranks, re-raised here below
-            failure, message[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
+            kind = "unreachable" if isinstance(exc, Unreachable) else "error"
+            failure, message[0] = exc, (kind, f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(message, group=group, group_src=0)
     if failure is not None:
         raise failure
     kind, payload = message[0]
-    if kind == "error":
-        raise RematError(f"remat.distributed.plan_on_rank0: planning failed on rank 0: {payload}")
+    if kind != "plan":
+        error = Unreachable if kind == "unreachable" else RematError
+        raise error(f"remat.distributed.plan_on_rank0: planning failed on rank 0: {payload}")
     return Plan.from_json(payload)
 
 
@@ -143,7 +154,7 @@ def auto(
 
     sharded = is_sharded(target)
 
-    def run() -> Profile:
+    def run(options: dict) -> Profile:
         # NOTE [Ranks profile within the budget]
         counted = _with_ddp_buckets if ddp else None
         agreed = functools.partial(_anywhere, group=group) if sharded else bool
@@ -153,12 +164,26 @@ def auto(
             loss_fn,
             budget,
             api="remat.distributed.auto",
-            options=profile_options,
+            options=options,
             counted=counted,
             agreed=agreed,
         ).profile
 
-    chosen = plan_on_rank0(run() if sharded else run, budget, group=group, ddp=ddp)
+    def planned(options: dict) -> Plan:
+        profile = run(options) if sharded else functools.partial(run, options)
+        return plan_on_rank0(profile, budget, group=group, ddp=ddp)
+
+    try:
+        chosen = planned(profile_options)
+    except Unreachable:  # on every rank alike: NOTE [Finer only when needed] in remat.planning.apply
+        if not may_go_finer(target, None, None, profile_options):
+            raise
+        chosen = planned({**profile_options, "policies": FINEST})
+        note = (
+            f"No plan of policies {', '.join(FINEST[:-1])} reached the budget: profiled again with {FINEST[-1]} "
+            "(each block's sub-layers checkpointed inside its recomputation)."
+        )
+        chosen = replace(chosen, notes=(*chosen.notes, note))
     apply(target, chosen)
     return chosen
 

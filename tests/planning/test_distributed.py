@@ -220,12 +220,12 @@ def _tensor_parallel(rank: int) -> dict:
     return {"resting": (fake.resting_bytes, real.resting_bytes)}
 
 
-def _rank0_error() -> str:
+def _rank0_error() -> tuple[str, str]:
     try:
         remat.distributed.plan_on_rank0(lambda: synthetic_profile(4), budget="1B")
     except remat.RematError as exc:
-        return str(exc)
-    return "no error"
+        return type(exc).__name__, str(exc)
+    return "", "no error"
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -348,9 +348,29 @@ def test_a_tensor_parallel_fake_profile_counts_each_ranks_shards(ranks):
 
 
 def test_rank0_planning_error_reaches_every_rank(ranks):
-    assert "below the lowest peak" in ranks[0]["rank0_error"]
-    assert "planning failed on rank 0" in ranks[1]["rank0_error"]
-    assert "below the lowest peak" in ranks[1]["rank0_error"]
+    (kind0, error0), (kind1, error1) = ranks[0]["rank0_error"], ranks[1]["rank0_error"]
+    assert "below the lowest peak" in error0
+    assert "planning failed on rank 0" in error1 and "below the lowest peak" in error1
+    assert kind0 == kind1 == "Unreachable"  # every rank may then profile again with full-fine, together
+
+
+def test_auto_profiles_again_with_full_fine_where_no_coarser_plan_reaches_the_budget():
+    # As remat.auto does (NOTE [Finer only when needed] in remat.planning.apply); planned locally without a process
+    # group, through the same path as on rank 0.
+    from remat.planning.apply import FINEST
+
+    model, inputs, _ = _model_and_batch(0)
+    coarse = remat.plan(remat.profile(model, inputs, repeat=1, warmup=0), strategy="none").min_peak_bytes
+    fine = remat.plan(remat.profile(model, inputs, repeat=1, warmup=0, policies=FINEST), strategy="none")
+    assert fine.min_peak_bytes < coarse
+    budget = (fine.min_peak_bytes + coarse) // 2
+    plan = remat.distributed.auto(model, inputs, budget, repeat=1, warmup=0)
+    try:
+        assert "full-fine" in plan.checkpointed.values()
+        assert any("profiled again with full-fine" in note for note in plan.notes)
+        assert remat.measure(model, inputs, warmup=1, repeat=1).peak_bytes <= plan.predicted_peak_bytes <= budget
+    finally:
+        remat.remove(model)
 
 
 def test_plan_on_rank0_without_a_process_group_plans_locally():

@@ -166,7 +166,7 @@ def _auto(
         try:
             chosen = _plan_and_put(model, inputs, loss_fn, coarse, budget, backend, verify, loop, findings, capacity)
         except Unreachable:
-            if coarse is prof and not _may_go_finer(model, prof, backend, profile_options):
+            if coarse is prof and not may_go_finer(model, prof, backend, profile_options):
                 raise
             # NOTE [Finer only when needed]
             how = "planned again with" if coarse is not prof else "profiled again with"
@@ -214,7 +214,8 @@ def _noted(chosen: Plan, room: Room | None, fits_the_gpu: bool) -> Plan:
 # without checkpointing is profiled for real as before, without ``full-fine``. Even there it traces
 # ``full-fine`` last, and only where the other policies' lowest peak is above FINER_ABOVE of the
 # budget (NOTE [A policy traced only when wanted]): a fifth of the fake profile saved for the
-# budgets those policies reach.
+# budgets those policies reach. remat.distributed.auto does the same on every rank at once:
+# rank 0's planning sends that no plan reached the budget, and every rank profiles again.
 
 
 def _coarse(prof: Any, profile_options: dict) -> Any:
@@ -236,7 +237,7 @@ def _profile(
         warnings.simplefilter("ignore", RandomBranchWarning)
         if not fit:
             prof = make_profile(model, inputs, loss_fn, **options)
-        elif not (finer and _may_go_finer(model, None, None, options)):
+        elif not (finer and may_go_finer(model, None, None, options)):
             prof = profile_within(model, inputs, loss_fn, budget, api="remat.auto", options=options).profile
         else:  # NOTE [A policy traced only when wanted] in remat.profiling._schedule
             with traced_only_if(FINE, lambda coarse: _needs_finer(coarse, budget)):
@@ -315,7 +316,7 @@ def _room_of_device(model: nn.Module, inputs: Any) -> Room:
     return room
 
 
-def _may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:
+def may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:
     """Whether ``full-fine`` may reach what the profile's policies do not (``prof`` None: before profiling)."""
     if backend is not None or "policies" in profile_options or (prof is not None and FINE in prof.policies):
         return False
