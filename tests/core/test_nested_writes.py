@@ -91,10 +91,12 @@ def test_an_inner_function_that_writes_its_own_input_recomputes_from_the_value_b
 def test_a_record_goes_with_its_storage_and_never_matches_another():
     t = torch.zeros(4, 8)
     t.add_(1)
+    before = nested_writes.now()
     nested_writes.remember([t], [0])
     key = nested_writes._view(t)
-    assert nested_writes.recorded(t) == (0, 1) and nested_writes.recorded(t.detach()) == (0, 1)
-    assert nested_writes.recorded(t[1:]) is None  # another view of the storage
-    assert nested_writes.recorded(torch.zeros(4, 8)) is None  # the same view of another storage
+    assert nested_writes.recorded(t, before) == (0, 1) and nested_writes.recorded(t.detach(), before) == (0, 1)
+    assert nested_writes.recorded(t, nested_writes.now()) is None  # made before the region's forward ended
+    assert nested_writes.recorded(t[1:], before) is None  # another view of the storage
+    assert nested_writes.recorded(torch.zeros(4, 8), before) is None  # the same view of another storage
     del t
     assert key not in nested_writes._versions

@@ -17,7 +17,10 @@ storage, which the handed tensor does not share (found by the argument's positio
 it recomputed from the written tensor, right for ReLU(inplace=True), which is idempotent,
 and wrong for ``x.mul_(0.5)`` in a block inside a segment made by hand. The
 outer run's tensor itself is gone by then: torch hands back its ``detach()``, which shares
-its version counter, so the handed tensor's version is read. Records hold their storages
+its version counter, so the handed tensor's version is read. A record counts only for a region
+whose forward ended before it was made: torch stops a recomputation early once it has what
+backward needs, so a call may not run again, and an older record of the same view (the same
+parameter, a step earlier) says nothing of it. Records hold their storages
 weakly (torch keeps one Python object per live storage) and go with them, so a storage
 freed and another allocated at its address is never compared.
 """
@@ -25,6 +28,7 @@ freed and another allocated at its address is never compared.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 
 import torch
@@ -34,8 +38,15 @@ from remat.core._writes import storage_key
 View = tuple[int, int, tuple[int, ...], tuple[int, ...]]
 
 # Process-wide: on CUDA the outer recomputation and the inner one run on autograd's device thread.
-_versions: dict[View, tuple[weakref.ref, int, int]] = {}
-"""view -> (its storage, weakly; its tensor's version as the call began, and as its forward ended)"""
+_versions: dict[View, tuple[weakref.ref, int, int, int]] = {}
+"""view -> (its storage, weakly; its tensor's version as the call began, and as its forward ended; when)"""
+
+_clock = itertools.count()
+
+
+def now() -> int:
+    """A number larger than every record's made so far."""
+    return next(_clock)
 
 
 def _view(t: torch.Tensor) -> View:
@@ -52,14 +63,15 @@ def remember(inputs: list[torch.Tensor], entry: list[int]) -> None:
     recomputation."""
     for t, began in zip(inputs, entry):
         key = _view(t)
-        _versions[key] = (weakref.ref(t.untyped_storage(), functools.partial(_forget, key)), began, t._version)
+        _versions[key] = (weakref.ref(t.untyped_storage(), functools.partial(_forget, key)), began, t._version, now())
 
 
-def recorded(t: torch.Tensor) -> tuple[int, int] | None:
-    """(version as the call began, as its forward ended) of the input ``t`` views, recorded by :func:`remember`;
-    None where none is (a storage freed since and another allocated at its address is not the same)."""
+def recorded(t: torch.Tensor, since: int) -> tuple[int, int] | None:
+    """(version as the call began, as its forward ended) of the input ``t`` views, recorded by :func:`remember`
+    after ``since``; None where none is (a storage freed since and another allocated at its address is not the
+    same)."""
     found = _versions.get(_view(t))
-    if found is None or found[0]() is not t.untyped_storage():
+    if found is None or found[3] < since or found[0]() is not t.untyped_storage():
         return None
     return found[1], found[2]
 

@@ -224,6 +224,8 @@ class Region:
         self.recomputations = 0
         self._leaves: list[Any] | None = None
         self._forward_keys: dict[int, int] = {}
+        self.forward_ended = 0
+        """When its forward ended (``_nested_writes.now()``): records of the inputs older than that are not of it."""
         inputs = self.input_tensors()
         self.input_versions = _versions(inputs)
         if self.watches_ops:  # later calls check inputs by version counter only (_check_unwatched_writes)
@@ -290,6 +292,7 @@ class Region:
             began = [self.input_versions.get(id(t), (None, t._version))[1] for t in inputs]
             nested_writes.remember(inputs, began)
         self.input_versions = _versions(inputs)
+        self.forward_ended = nested_writes.now()
         self.written_inputs = {storage_key(t): t.requires_grad for t in inputs if storage_key(t) in self.before}
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
@@ -399,7 +402,7 @@ class Region:
         def fresh(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
-            recorded = nested_writes.recorded(t) if handed else None
+            recorded = nested_writes.recorded(t, self.forward_ended) if handed else None
             if recorded is not None:
                 return self._handed_input(t, recorded, fresh_copies)
             key = storage_key(t)
