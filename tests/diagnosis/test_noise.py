@@ -53,11 +53,13 @@ def test_a_model_that_reseeds_is_not_blamed_on_its_checkpointing():
     assert report.codes() == ["not-reproducible"], report.codes()
     assert not report.errors
     (finding,) = report.findings
-    assert "block.0.weight" in finding.params and "inp.weight" in finding.params
-    assert "5 parameters (block.0, inp, block.3.weight)" in finding.message
-    assert finding.modules == ("block.0", "inp", "block.3")
-    assert "block.3.bias" not in finding.params  # its gradient does not depend on the dropout mask: still compared
-    assert finding.numbers["rng_streams"] == 1.0 and finding.numbers["params"] >= 2
+    # torch.seed() draws from the OS: the masks, and so the order (worst first), differ from run to run
+    noisy = {"inp.weight", "inp.bias", "block.0.weight", "block.0.bias", "block.3.weight"}
+    assert set(finding.params) == noisy  # block.3.bias's gradient does not depend on the mask: still compared
+    assert set(finding.modules) == {"block.0", "inp", "block.3"} and finding.numbers["params"] == 5
+    listed = finding.message.split("the gradients of 5 parameters (")[1].split(")")[0]
+    assert set(listed.split(", ")) == {"block.0", "inp", "block.3.weight"}
+    assert finding.numbers["rng_streams"] == 1.0
     assert finding.numbers["python"] == 1 and "1 Python attribute (<root>.seed)" in finding.message
     assert "random number streams" in finding.message and "torch.seed()" in finding.fix
 
