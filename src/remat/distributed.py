@@ -40,10 +40,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.errors import RematError
-from remat.planning._budget import parse_budget
-from remat.planning._candidates import Unreachable
+from remat.planning._budget import Unreachable
 from remat.planning._within import profile_within
-from remat.planning.apply import FINEST, apply, may_go_finer, remove
+from remat.planning.apply import FINEST, apply, may_go_finer, noted_finer, remove
 from remat.planning.plan import Plan
 from remat.planning.plan import plan as make_plan
 from remat.profiling._blocks import find_blocks
@@ -80,13 +79,7 @@ def _plan_here(profile: Profile | Callable[[], Profile], budget: Any, strategy: 
             f"got {type(prof).__name__}."
         )
     prof = _with_ddp_buckets(prof) if ddp else prof
-    try:
-        return make_plan(prof, budget, strategy=strategy)
-    except RematError as exc:
-        floor = make_plan(prof, strategy="none").min_peak_bytes
-        if budget is not None and parse_budget(budget, prof.baseline_peak_bytes) < floor:
-            raise Unreachable(str(exc)) from exc
-        raise
+    return make_plan(prof, budget, strategy=strategy)  # Unreachable below the floor, sent as its own kind
 
 
 def plan_on_rank0(
@@ -178,12 +171,7 @@ def auto(
     except Unreachable:  # on every rank alike: NOTE [Finer only when needed] in remat.planning.apply
         if not may_go_finer(target, None, None, profile_options):
             raise
-        chosen = planned({**profile_options, "policies": FINEST})
-        note = (
-            f"No plan of policies {', '.join(FINEST[:-1])} reached the budget: profiled again with {FINEST[-1]} "
-            "(each block's sub-layers checkpointed inside its recomputation)."
-        )
-        chosen = replace(chosen, notes=(*chosen.notes, note))
+        chosen = noted_finer(planned({**profile_options, "policies": FINEST}), FINEST, "profiled again with")
     apply(target, chosen)
     return chosen
 

@@ -9,7 +9,12 @@ from typing import Any
 
 from remat.errors import RematError
 
-__all__ = ["ACCEPTED_BUDGETS", "parse_budget"]
+__all__ = ["ACCEPTED_BUDGETS", "Unreachable", "parse_budget"]
+
+
+class Unreachable(RematError):
+    """No plan on this profile reaches the budget (predicted by ``remat.plan``, or measured by auto's verification)."""
+
 
 _UNITS = {
     "": 1,

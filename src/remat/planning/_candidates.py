@@ -17,6 +17,7 @@ from remat.core._policy_registry import KEEP
 from remat.core._segment import NotAChain
 from remat.core.measure import device_of
 from remat.errors import RematError
+from remat.planning._budget import Unreachable
 from remat.planning._put import remove
 from remat.planning._sub_batch import MIN_SAMPLES, batch_size, reference_batch, sliced
 from remat.planning._verify_step import OutOfMemory, Step, measured_step
@@ -28,10 +29,6 @@ from remat.profiling._traced import is_traced_plan
 __all__ = ["Candidates", "Findings", "Unreachable"]
 
 log = logging.getLogger("remat")
-
-
-class Unreachable(RematError):
-    """No plan on this profile reaches the budget (predicted, or measured by auto's verification)."""
 
 
 @dataclass

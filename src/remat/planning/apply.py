@@ -174,11 +174,7 @@ def _auto(
                 finer = {**profile_options, "policies": (*prof.policies, FINE)}
                 prof = _profile(model, inputs, loss_fn, budget, fit, finer)
             chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings, capacity)
-            note = (
-                f"No plan of policies {', '.join(prof.policies[:-1])} reached the budget: {how} "
-                f"{FINE} (each block's sub-layers checkpointed inside its recomputation)."
-            )
-            chosen = replace(chosen, notes=(*chosen.notes, note))
+            chosen = noted_finer(chosen, prof.policies, how)
     except BaseException:  # an interrupt too: nothing of the plan stays on the model
         remove(model)
         raise
@@ -288,13 +284,8 @@ def _plan_and_put(
 ) -> Plan:
     if verify:
         return verified_plan(model, inputs, loss_fn, prof, budget, backend, loop, findings, capacity=capacity)
-    try:
-        with spent("planning"):
-            chosen = make_plan(prof, budget)
-    except RematError as exc:
-        if parse_budget(budget, prof.baseline_peak_bytes) < make_plan(prof, strategy="none").min_peak_bytes:
-            raise Unreachable(str(exc)) from exc
-        raise
+    with spent("planning"):
+        chosen = make_plan(prof, budget)  # Unreachable below the floor
     put(model, chosen)
     return chosen
 
@@ -314,6 +305,16 @@ def _room_of_device(model: nn.Module, inputs: Any) -> Room:
             f"{device_of(model, inputs)}, whose free memory remat cannot read; pass a budget: {ACCEPTED_BUDGETS}."
         )
     return room
+
+
+def noted_finer(chosen: Plan, policies: tuple[str, ...], how: str) -> Plan:
+    """``chosen``, planned on ``policies`` with ``FINE`` after no plan of the others reached the budget, saying so
+    (NOTE [Finer only when needed])."""
+    note = (
+        f"No plan of policies {', '.join(p for p in policies if p != FINE)} reached the budget: {how} {FINE} "
+        "(each block's sub-layers checkpointed inside its recomputation)."
+    )
+    return replace(chosen, notes=(*chosen.notes, note))
 
 
 def may_go_finer(model: nn.Module, prof: Any, backend: str | None, profile_options: dict) -> bool:

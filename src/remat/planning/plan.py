@@ -10,7 +10,7 @@ from typing import Any
 
 from remat.core._policy_registry import FULL, FULL_FINE, KEEP, NAMES, SELECTIVE, SELECTIVE_OPS
 from remat.errors import RematError
-from remat.planning._budget import ACCEPTED_BUDGETS, parse_budget
+from remat.planning._budget import ACCEPTED_BUDGETS, Unreachable, parse_budget
 from remat.planning._nested_plan import nested_floor, plan_nested
 from remat.planning._plan_checks import check_plan_fields
 from remat.planning._solve import cast_credits, chain_of, kept_one_level, relax, solve
@@ -343,7 +343,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
         if found is not None:
             return found
     if limit < one_level:
-        raise RematError(
+        raise (Unreachable if limit < minimum else RematError)(
             f"remat.plan: budget {human_bytes(limit)} ({limit} bytes, {limit / baseline:.3f} of the baseline) is "
             f"below the lowest peak any plan reaches on this profile: {human_bytes(minimum)} ({minimum} bytes, "
             f"{minimum / baseline:.3f} of the baseline {human_bytes(baseline)}). Raise the budget to at least "
