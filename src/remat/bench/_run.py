@@ -157,7 +157,8 @@ def _remat_setups(
     zoo: ZooModel, prof: remat.Profile, budgets: Sequence[Any], baseline_peaks: dict[str, int], notes: list[str]
 ) -> list[Setup]:
     """One setup per distinct plan; budgets that give the same plan share its row (label ``a = b``)."""
-    minimum = remat.plan(prof, 1.0).min_peak_bytes
+    whole = remat.plan(prof, 1.0)
+    minimum = whole.min_peak_bytes
     wanted = [(f"remat {b}", b if b != "min" else minimum) for b in budgets]
     wanted += [(f"remat @ peak of {name}", peak) for name, peak in baseline_peaks.items() if name != "none"]
     plans: dict[tuple, tuple[list[str], Plan]] = {}
@@ -170,10 +171,9 @@ def _remat_setups(
         key = (tuple(sorted(plan.assignment.items())), plan.segments)
         plans.setdefault(key, ([], plan))[0].append(label)
     if minimum >= 0.99 * prof.baseline_peak_bytes:
-        kept = [b.name for b in prof.blocks if b.without_grad]
         notes.append(
             "No plan lowers the peak by more than 1%: "
-            + no_saving_reason(kept, len(prof.blocks))
+            + no_saving_reason(whole.without_grad, len(prof.blocks))
             + " remat keeps every block instead of recomputing for nothing."
         )
     return [remat_plan(plan, " = ".join(labels)) for labels, plan in plans.values()]

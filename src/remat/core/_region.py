@@ -331,8 +331,7 @@ class Region:
         leaves, self._spec = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
         self._slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self._slot_keys = [storage_key(leaves[i]) for i in self._slots]
-        for i in self._slots:
-            key = storage_key(leaves[i])
+        for i, key in zip(self._slots, self._slot_keys):
             if key not in self.before:
                 self.watched.pop(key, None)
             leaves[i] = None

@@ -15,12 +15,14 @@ import torch
 from remat.diagnosis._calls import CheckpointCall
 from remat.diagnosis._findings import (
     ERROR,
+    MISSING,
     Finding,
     StepRecord,
     call_sites,
     collapse,
     owner_of,
     reentrant_fix,
+    same_python,
     union_of,
     where_called,
     within_module,
@@ -268,20 +270,17 @@ def check_buffers(ref: StepRecord, ck: StepRecord, before: dict[str, torch.Tenso
     return [Finding("buffers-updated-twice", ERROR, message, fix, modules, tuple(names), call_sites(calls), numbers)]
 
 
-_MISSING = object()
-
-
 def _show(value: Any) -> str:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
         return f"{value[0]} of length {value[1]}"
-    return "unset" if value is _MISSING else repr(value)
+    return "unset" if value is MISSING else repr(value)
 
 
 def check_side_effects(ref: StepRecord, ck: StepRecord, hooks: dict[str, tuple[list[str], list[str]]]) -> list[Finding]:
     changed: dict[str, list[str]] = defaultdict(list)
     for key in dict.fromkeys([*ref.python, *ck.python]):
-        a, b = ref.python.get(key, _MISSING), ck.python.get(key, _MISSING)
-        if a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
+        if not same_python(ref, ck, key):
+            a, b = ref.python.get(key, MISSING), ck.python.get(key, MISSING)
             changed[key[0]].append(f"{key[1]} is {_show(b)} after the step instead of {_show(a)}")
 
     def runs(record: StepRecord, m: str) -> int:

@@ -75,6 +75,16 @@ class Costs:
     without: dict[tuple[str, str], Measurement]
 
 
+MISSING = object()
+"""A Python attribute a step did not leave set (in one of two ``StepRecord.python``)."""
+
+
+def same_python(a: StepRecord, b: StepRecord, key: tuple[str, str]) -> bool:
+    """Whether two steps left the Python attribute ``key`` alike (NaN equal to NaN: a loss scale's NaN stays)."""
+    x, y = a.python.get(key, MISSING), b.python.get(key, MISSING)
+    return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
+
+
 def owner_of(param: str) -> str:
     return param.rpartition(".")[0] or ROOT
 

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from remat.diagnosis._calls import ROOT
-from remat.diagnosis._findings import WARNING, Finding, StepRecord, collapse, owner_of
-
-_MISSING = object()
+from remat.diagnosis._findings import WARNING, Finding, StepRecord, collapse, owner_of, same_python
 
 
 @dataclass(frozen=True)
@@ -60,10 +58,6 @@ def _grad_error(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float, ato
     return err / scale if scale else float("inf")
 
 
-def _same(a: object, b: object) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
-
-
 def differences(first: StepRecord, second: StepRecord, rtol: float, atol: float) -> Differences:
     """Everything the doctor's comparisons would see differ between ``first`` and ``second``."""
     errors = []
@@ -77,11 +71,7 @@ def differences(first: StepRecord, second: StepRecord, rtol: float, atol: float)
         for n, b in first.buffers.items()
         if n in second.buffers and (b.shape != second.buffers[n].shape or not torch.equal(b, second.buffers[n]))
     )
-    python = tuple(
-        key
-        for key in dict.fromkeys([*first.python, *second.python])
-        if not _same(first.python.get(key, _MISSING), second.python.get(key, _MISSING))
-    )
+    python = tuple(key for key in dict.fromkeys([*first.python, *second.python]) if not same_python(first, second, key))
     rng = len(first.rng) != len(second.rng) or not all(torch.equal(a, b) for a, b in zip(first.rng, second.rng))
     return Differences(
         grads=tuple(n for _, n in errors),
