@@ -87,12 +87,23 @@ KNOWN = {
     "two blocks later) runs, handing the skip the segment's output: wrong loss and gradients",
     18: "NEW (18): a hand-made nested segment beginning at the first block, which starts with "
     "nn.ReLU(inplace=True) (writes the chain's input): predicted one input low",
+    19: "NEW (19): a full block after a BatchNorm block, whose outputs every later block's Linear copies rather "
+    "than saves: the walk freed its input where the keep run's list let go of it and again in its backward: "
+    "remat.plan at the nested floor one activation over its budget",
+    20: "NEW (20): remat.auto refused the floor of a real profile: on its fake profile (other times) the floor's "
+    "least-need plan took another policy of equal need that walks one activation higher",
+    21: "NEW (21): a nested plan with a block returning an aux loss under a checkpointing policy: recomputed at "
+    "the start of the backward, it overlaps the later blocks' backward, which the walk does not model: predicted "
+    "low (the planner keeps such blocks under keep in nested plans; this is a plan made by hand)",
+    22: "NEW (22): remat.plan at the nested floor put a block returning an aux loss under full, the next under "
+    "selective (the walk's case of (21)): 24,576 B over its budget",
 }
-#: Fixed: every one. Hand-built plans with selective blocks (6) or input writers (14, 18: the chain's own input)
-#: inside a segment are predicted on the safe side (the planner keeps selective blocks out of segments, and
-#: begins or ends none at a writer); one over a block whose output the parent reads elsewhere (17) is refused by
-#: remat.apply.
-OPEN = set(KNOWN) - set(range(1, 19))
+#: Fixed: every one but (21), which the planner never makes (NOTE [A block whose backward begins early] in
+#: remat.planning._nested; its case from the planner is (22)). Hand-built plans with selective blocks (6) or
+#: input writers (14, 18: the chain's own input) inside a segment are predicted on the safe side (the planner
+#: keeps selective blocks out of segments, and begins or ends none at a writer); one over a block whose output
+#: the parent reads elsewhere (17) or writes in place (1) is refused by remat.apply.
+OPEN = set(KNOWN) - set(range(1, 21)) - {22}
 TOLERANCE = 0.005
 FAST_EXAMPLES = 20
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -201,6 +212,7 @@ class Run:
             (14, any(blocks[k]["relu_first"] for k in inside)),
             (15, any(b["relu_first"] for b in blocks) and any(b["bn"] and b["shared"] == "add" for b in blocks)),
             (16, plan.measured_peak_bytes is not None and any(b["bn"] for b in blocks)),
+            (21, bool(plan.segments) and any(b["aux"] and plan.assignment[n] != "keep" for b, n in zip(blocks, names))),
         ]
 
     def check_applied(self, plan: remat.Plan, what: str) -> int:
@@ -275,7 +287,7 @@ class Run:
             blocks = self.spec["blocks"]
             mixed = len({bool(b["shared"]) for b in blocks}) > 1  # blocks called with different arguments
             skips = any(c["skip"] for c in self.spec["calls"])
-            chain = not (self.twice or mixed or skips or any(b["aux"] for b in blocks))
+            chain = not (self.twice or mixed or skips or self.inplace or any(b["aux"] for b in blocks))
             self.check(bool(plan.segments) and not chain, "nested-refused", f"{what}: {err}")
             self.check("nested=False" in str(err), "nested-error", f"{what}: not remat's refusal: {err}", (10, mixed))
             note("a nested plan refused by a parent that is no chain")
@@ -375,7 +387,14 @@ FOUND = {
     16: (spec([{}, {"bn": True}]), {"points": [0.0], "autos": 2}),
     17: (spec([{}, {}, {}], calls=[{}, {}, {"skip": 1}]), {"policies": ["full", "full", "keep"], "segment": (0, 2)}),
     18: (spec([{"relu_first": True}, {}]), {"points": [0.0], "policies": ["keep", "keep"], "segment": (0, 2)}),
+    19: (spec([{"bn": True}, {}, {"shared": "mul"}, {"shared": "add"}]), {"points": [0.0]}),
+    20: (spec([{"bn": True}, {"bn": True}, {"shared": "mul"}]), {"points": [0.0], "autos": 2}),
+    21: (spec([{}, {}, {"aux": True}, {}]), {"policies": ["full", "full", "full", "selective"], "segment": (0, 2)}),
+    22: (spec([{"bn": True, "shared": "add"}, {"shared": "add"}, {"aux": True}, {}]), {"points": [0.0]}),
 }
+
+#: Open bugs whose waiver would excuse this fixed bug's example too.
+MASKING = {22: {21}}
 
 
 @pytest.mark.parametrize(
@@ -389,4 +408,4 @@ FOUND = {
 )
 def test_found(bug: int) -> None:
     found, options = FOUND[bug]
-    check_model(found, **{"points": [], "autos": 0, **options}, open_bugs=OPEN - {bug})
+    check_model(found, **{"points": [], "autos": 0, **options}, open_bugs=OPEN - {bug} - MASKING.get(bug, set()))

@@ -14,9 +14,20 @@ first is not the fastest plan at that peak (an item whose own peak binds leaves 
 rest room to spare), so one time table (on a grid up to 4x finer) is read at every
 cell up to 2n above the floor, and the fastest plan whose walk stays at the floor wins
 (where none does, the least-need plan stands).
+
+NOTE [A floor that does not follow the timings]
+Where choices tie on need, the faster one is taken, and the walk of tied plans may differ
+(the need is the DP's view, rounded on the safe side of what it does not model): a chain
+of [BatchNorm block, BatchNorm block, block] had its last block `full` in a real profile
+and `selective` in a fake one (roofline times), both of one need, walking 128,936 B and
+137,128 B; `remat.auto`, planning on the fake profile, refused the budget the real one
+reached. So the floor's plan then moves to any single block's other allowed policy that
+walks lower, for a few rounds: every plan one policy away from it walks no lower.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -33,11 +44,13 @@ from remat.planning._nested import (
     simulate,
     to_plan,
 )
+from remat.planning._nested_types import Tree
 from remat.profiling._types import Profile
 
 _FINE_CELLS = 2_500_000
 _NEVER = np.iinfo(np.int64).max // 4
 """The need of a choice not open inside a segment: more than any budget, and safe to add to."""
+_DESCENT_ROUNDS = 3
 _SCALES = (0.97, 0.985, 1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.13, 1.16, 1.2)
 
 
@@ -113,7 +126,41 @@ def lowest_nested(c: Costs, high: int) -> tuple[int, tuple[Node, ...]] | None:
         walk = simulate(c, found[0]) if found is not None else _NEVER
         if found is not None and (walk, found[1]) < best[:2]:  # a lower walk lowers the floor itself
             best = (walk, found[1], found[0])
+    return _descended(c, needs, best)
+
+
+def _descended(c: Costs, needs: _Needs, best: tuple[int, float, tuple[Node, ...]]) -> tuple[int, tuple[Node, ...]]:
+    """``best`` (walk, extra seconds, plan) with one block's policy changed while that walks lower (NOTE [A floor
+    that does not follow the timings])."""
+    for _ in range(_DESCENT_ROUNDS):
+        tree, lower = Tree(best[2]), best
+        for k, own in tree.own.items():
+            if own is None:
+                continue
+            for j in map(int, np.flatnonzero(needs.allowed(k, not tree.path[k]))):
+                if j != own.policy:
+                    nodes = _with_policy(best[2], k, j)
+                    lower = min(lower, (simulate(c, nodes), extra_time(c, nodes), nodes), key=_walk_then_time)
+        if lower is best:
+            break
+        best = lower
     return best[0], best[2]
+
+
+def _walk_then_time(item: tuple[int, float, tuple[Node, ...]]) -> tuple[int, float]:
+    return item[0], item[1]
+
+
+def _with_policy(nodes: tuple[Node, ...], k: int, policy: int) -> tuple[Node, ...]:
+    """``nodes`` with block k's own node under ``policy``."""
+    return tuple(
+        replace(node, policy=policy)
+        if node.end is None and node.start == k
+        else replace(node, children=_with_policy(node.children, k, policy))
+        if node.end is not None
+        else node
+        for node in nodes
+    )
 
 
 def _peak(profile: Profile, c: Costs, nodes: tuple[Node, ...]) -> int:

@@ -39,6 +39,19 @@ input in the block's forward too (a Dropout kept inside the segment saves only i
 flat Sequentials of Dropout, BufferBlock and Linear at the nested floor measured one input,
 3072 B, over the walk); that free is undone the same way.
 
+NOTE [An input its block holds until its backward]
+A block whose run keeps its input until the block's backward (a checkpointed region holds
+its inputs; a Linear saves an input it can use as it is) holds it under the plan whatever
+the runs the walk takes the steps between from. A keep run whose Linears save contiguous
+copies of their inputs (every output after a BatchNorm between transposes is laid out
+transposed: a residual add keeps its operand's strides) lets go of each output in the
+glue where the parent's list of outputs dies; composed so, a full block's input was freed
+there and again in the block's backward (chains of [BatchNorm block, block, block],
+(full, full, keep) one level deep: predicted 114,808 B, measured 120,960 B; the floor's
+nested plan over four such blocks one activation, 8,192 B, under its budget). So, as for a
+segment's input below, every run's free of it between the block's last forward and its
+backward is undone, and the backward frees it where its own run freed it elsewhere.
+
 NOTE [A block that holds its output before one that lets go of it]
 A block whose run keeps its own output until its backward (``Costs.holds``: a Linear's
 output that "selective" caches) followed by one whose run lets go of its input in its
@@ -288,18 +301,23 @@ def _undo_free(out: dict[int, tuple[int, int]], i: int, o: Shared, run: int) -> 
 
 def _inputs_held(c: Costs, tree: Tree, steps: list[Step], out: dict[int, tuple[int, int]]) -> None:
     """Block k-1's output held past a run's free of it by a segment that begins at block k, from the segment's
-    forward (the depth-th forward of block k in the walk); block k's backward frees it where its run did not (a
-    block outside segments that holds its output: NOTE [A block that holds its output before one that lets go of
-    it], ``_outputs_held``)."""
+    forward (the depth-th forward of block k in the walk), or by block k itself from its last forward (NOTE [An
+    input its block holds until its backward]); block k's backward frees it where its run did not (a block
+    outside segments that holds its output: NOTE [A block that holds its output before one that lets go of it],
+    ``_outputs_held``)."""
     starts: dict[int, int] = {}  # block -> the depth of the outermost segment that begins at it
     for node, _, above in tree.segments:
         starts.setdefault(node.start, len(above) + 1)
     for o in c.outputs:
         k = o.receivers[0] + 1
-        if k not in starts:
+        own, end = tree.own.get(k), next((i for i, step in enumerate(steps) if step.place == ("bwd", k)), -1)
+        forwards = [i for i, step in enumerate(steps) if step.place == ("fwd", k) and i < end]
+        if k in starts:
+            begin = forwards[starts[k] - 1]
+        elif own is not None and end >= 0 and o.freed.get(own.policy) == ("bwd", k):
+            begin = forwards[-1]  # NOTE [An input its block holds until its backward]
+        else:
             continue
-        begin = [i for i, step in enumerate(steps) if step.place == ("fwd", k)][starts[k] - 1]
-        end = next(i for i, step in enumerate(steps) if step.place == ("bwd", k))
         for i in range(begin, end):
             if o.freed.get(steps[i].run) == steps[i].place:
                 _undo_free(out, i, o, steps[i].run)
