@@ -111,7 +111,10 @@ recomputation lives through every later block's backward; in a uniform run the b
 after it are checkpointed alike, so no step the walk composes holds that overlap (four
 generated blocks, the third with such a loss and `full`, the fourth `selective`: the walk
 24,576 B under the measured peak, which the one-level model predicts exactly). In the
-nested view such a block (two outputs or more in ``Costs.outputs``) is only ``keep``.
+nested view such a block (two outputs or more in ``Costs.outputs``) is only ``keep``, and in
+no segment, not even as its last block (a segment runs only blocks that return one tensor:
+``remat.core._segment``; the last block of the chain, whose output feeds the head, is not
+``Costs.chained``'s concern, and a segment ending at one returning an aux loss failed).
 
 NOTE [Arguments a segment hands on]
 A segment runs every block with its first block's other arguments (``remat.core._segment``):
@@ -190,6 +193,8 @@ class _Recursion:
         early = np.bincount([o.receivers[0] for o in c.outputs], minlength=n)[:n] > 1
         if early.any():  # NOTE [A block whose backward begins early]
             self.outside_of = np.where(early[:, None], np.array([p == KEEP for p in ch.policies]), self.outside_of)
+            runs = np.concatenate([[0], np.cumsum(early)])
+            self.span_ok &= runs[None, :] == runs[:, None]
         if c.chained is not None:  # and hand their output to the next block only
             cut = np.concatenate([[0], np.cumsum(~c.chained)])
             self.span_ok &= cut[None, :] == cut[:, None]
