@@ -22,7 +22,7 @@ of [BatchNorm block, BatchNorm block, block] had its last block `full` in a real
 and `selective` in a fake one (roofline times), both of one need, walking 128,936 B and
 137,128 B; `remat.auto`, planning on the fake profile, refused the budget the real one
 reached. So the floor's plan then moves to any single block's other allowed policy that
-walks lower, for a few rounds: every plan one policy away from it walks no lower.
+walks lower, round after round until no such move is left (at most three rounds).
 """
 
 from __future__ import annotations
