@@ -126,8 +126,12 @@ def test_auto_never_returns_a_plan_over_budget(shared, budget):
         measured = _measured_peak(model, _x())
         assert plan.verified and plan.measured_peak_bytes == measured <= plan.budget_bytes
         assert plan.budget_bytes == unverified.budget_bytes
-        # below the step without checkpointing, the reference is the lowest one-level plan's step
-        assert any("equal the step of the lowest-peak one-level plan" in n and "(bit for bit)" in n for n in plan.notes)
+        # below the step without checkpointing, the reference is the lowest one-level plan's step, or the step
+        # without checkpointing on a slice of the batch where a margin leaves only nested plans: never that step
+        # on the whole batch, over the budget (NOTE [The step verified plans are compared with])
+        verified = [n for n in plan.notes if n.startswith("Verified: loss, gradients and buffers equal")]
+        assert verified and all("(bit for bit)" in n for n in verified), plan.notes
+        assert not any("equal the step without checkpointing (" in n for n in verified), plan.notes
         if any("re-planned" in n for n in plan.notes):  # the first plan's prediction was too low
             assert "re-planned with a margin" in plan.notes[0] and "Measured peak" in plan.summary()
     finally:
