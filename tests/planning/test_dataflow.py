@@ -21,6 +21,7 @@ from torch import nn
 import remat
 from remat.planning import _candidates as candidates_module
 from remat.planning import _verify_step as step_module
+from remat.planning._candidates import policies_of
 
 
 class MLPBlock(nn.Module):
@@ -130,7 +131,9 @@ def test_auto_never_returns_a_plan_over_budget(shared, budget):
         # without checkpointing on a slice of the batch where a margin leaves only nested plans: never that step
         # on the whole batch, over the budget (NOTE [The step verified plans are compared with])
         verified = [n for n in plan.notes if n.startswith("Verified: loss, gradients and buffers equal")]
-        assert verified and all("(bit for bit)" in n for n in verified), plan.notes
+        # auto's timings may make the lowest-peak one-level plan, the reference itself, the fastest that fits
+        itself = not plan.segments and f"one-level plan ({policies_of(plan)})" in plan.notes[0]
+        assert (verified or itself) and all("(bit for bit)" in n for n in verified), plan.notes
         assert not any("equal the step without checkpointing (" in n for n in verified), plan.notes
         if any("re-planned" in n for n in plan.notes):  # the first plan's prediction was too low
             assert "re-planned with a margin" in plan.notes[0] and "Measured peak" in plan.summary()
