@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from remat.planning._nested_types import Costs, Step, Tree
+from remat.planning._nested_types import Costs, Step, Tree, Walk
 from remat.planning._solve import Chain
 from remat.profiling._types import Profile
 
@@ -75,42 +75,41 @@ def copies_of(profile: Profile, chain: Chain) -> np.ndarray | None:
     return np.array([[b.buffer_copies.get(p, 0) for p in chain.policies] for b in blocks], dtype=np.int64)
 
 
-def buffer_copies_at_peak(c: Costs, tree: Tree, steps: list[Step]) -> np.ndarray:
+def buffer_copies_at_peak(c: Costs, tree: Tree, walk: Walk) -> np.ndarray:
     """[steps]: bytes of buffer copies the plan's regions hold at each step's peak less those its run's numbers
     hold there (NOTE [Buffers a region keeps for its recomputation])."""
     # events at positions 2i (the start of step i, before its peak) and 2i + 2 (its end)
+    steps, first = walk.steps, walk.first
     events = np.zeros(2 * len(steps) + 2, dtype=np.int64)
     if c.copies is None:
         return events[:-2:2]
-    first = {s.place: i for i, s in reversed(list(enumerate(steps))) if not s.again}
     again = {(s.place, s.tail): i for i, s in enumerate(steps) if s.again}
     began = {s.tail: i for i, s in reversed(list(enumerate(steps))) if s.again}
     for k in map(int, np.flatnonzero(c.copies.any(axis=1))):
         path, own = tree.path[k], tree.own[k]
         if not path:
             continue  # its steps are its own run's
-        for i, s in enumerate(steps):  # what the runs hold: from the forward of k to the backward that frees it
-            if s.place == ("fwd", k):
-                events[2 * i] -= int(c.copies[k, s.run])
-            elif s.place == ("bwd", k):
-                events[2 * i + 2] += int(c.copies[k, s.run])
+        for i in walk.at[("fwd", k)]:  # what the runs hold: from the forward of k to the backward that frees it
+            events[2 * i] -= int(c.copies[k, steps[i].run])
+        for i in walk.at[("bwd", k)]:
+            events[2 * i + 2] += int(c.copies[k, steps[i].run])
         tails = [n.end - 1 for n in path if n.end is not None]  # each segment's last block, outermost first
         held = int(c.copies[k, c.full])
         own_copy = int(c.copies[k, c.full if own is None else own.policy])  # none under keep
         # (bytes, where its first forward's dies): each segment holding k, outermost first, then k's own region
         regions = [(held, ("bwd", n.start)) for n in path] + [(own_copy, ("bwd", k))]
         for depth, (size, dies) in enumerate(regions):
-            events[2 * first[("fwd", k)]] += size  # the first forward's, until its end
-            events[2 * first[dies] + 2] -= size
+            events[2 * first(("fwd", k))] += size  # the first forward's, until its end
+            events[2 * first(dies) + 2] -= size
             for tail in tails[:depth]:  # made again by each recomputation of a segment around it that runs k
                 at = again.get((("fwd", k), tail))
                 if at is not None:
                     events[2 * at] += size
-                    events[2 * first[("bwd", tail)]] -= size
+                    events[2 * first(("bwd", tail))] -= size
         for depth, tail in enumerate(tails):  # the copy a recomputation runs on; a kept block's saved tensors
             events[2 * began[tail]] += held  # may hold it until that block's backward
             kept = depth == len(tails) - 1 and own is not None and own_copy == 0
-            events[2 * first[("bwd", k)] + 2 if kept else 2 * first[("bwd", tail)]] -= held
+            events[2 * first(("bwd", k)) + 2 if kept else 2 * first(("bwd", tail))] -= held
     return np.cumsum(events)[:-2:2]
 
 

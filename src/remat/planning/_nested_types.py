@@ -122,3 +122,25 @@ class Step:
     tail: int = -1
     """In a recomputation: the last block of the segment recomputed, whose backward began it (NOTE [What a
     segment's last block makes before its recomputation] in remat.planning._nested_walk); else -1."""
+
+
+class Walk:
+    """A nested plan's steps with the positions of each place's steps, found once: every correction of the walk
+    looks up a block's forwards and backward, and scanning the steps per block made the walk quadratic."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
+        self.at: dict[Place, list[int]] = {}
+        """Place -> the positions of its steps, in order (a block's forward: the first, then recomputations)."""
+        for i, step in enumerate(steps):
+            self.at.setdefault(step.place, []).append(i)
+
+    def first(self, place: Place) -> int:
+        """The position of ``place``'s first step that is no recomputation; -1 if none."""
+        return next((i for i in self.at.get(place, ()) if not self.steps[i].again), -1)
+
+    def freeing(self, freed: dict[int, Place | None]) -> list[int]:
+        """Positions, in order, of the steps whose run frees a storage there (``freed``: run -> where it frees it)."""
+        places = {place for place in freed.values() if place is not None}
+        found = (i for place in places for i in self.at.get(place, ()))
+        return sorted(i for i in found if freed.get(self.steps[i].run) == self.steps[i].place)

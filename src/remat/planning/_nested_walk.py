@@ -83,7 +83,7 @@ import numpy as np
 
 from remat.core._policy_registry import KEEP
 from remat.planning._nested_copies import buffer_copies_at_peak, snapshots_at_peak
-from remat.planning._nested_types import Costs, Node, Place, Shared, Step, Tree
+from remat.planning._nested_types import Costs, Node, Place, Shared, Step, Tree, Walk
 from remat.planning._nested_views import freed_at, hands_on
 
 _NEVER = 1 << 62
@@ -128,7 +128,7 @@ def _output_of(c: Costs, j: int) -> Shared | None:
     return next((o for o in c.outputs if o.receivers[0] == j), None)
 
 
-def _outputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], tail: int = -1) -> dict[int, tuple[int, int]]:
+def _outputs_held(c: Costs, nodes: tuple[Node, ...], walk: Walk, tail: int = -1) -> dict[int, tuple[int, int]]:
     """Outputs of a block that holds them until its backward, freed by the next block's run in its forward (NOTE
     [A block that holds its output before one that lets go of it]): per step index, (bytes added to its delta,
     least its peak reaches)."""
@@ -137,11 +137,11 @@ def _outputs_held(c: Costs, nodes: tuple[Node, ...], steps: list[Step], tail: in
         o = _output_of(c, a.start)
         if a.end is None and b.end is None and c.holds is not None and o is not None:
             if bool(c.holds[a.start, a.policy]) and o.freed.get(b.policy) == ("fwd", b.start):
-                at = next(i for i, s in enumerate(steps) if s.place == ("fwd", b.start) and s.tail == tail)
+                at = next(i for i in walk.at[("fwd", b.start)] if walk.steps[i].tail == tail)
                 out[at] = (o.nbytes, o.after[b.policy] + o.nbytes)
     for node in nodes:
         if node.end is not None:
-            out.update(_outputs_held(c, node.children, steps, node.end - 1))
+            out.update(_outputs_held(c, node.children, walk, node.end - 1))
     return out
 
 
@@ -170,23 +170,19 @@ def _walk(c: Costs, tree: Tree) -> list[Step]:
     return steps
 
 
-def _shared_fixes(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _shared_fixes(c: Costs, tree: Tree, walk: Walk) -> dict[int, tuple[int, int]]:
     """Per step index: (bytes added to its delta, least its peak reaches) for ``c.shared`` (NOTE [Storages
     handed to a segment from outside])."""
     if not c.shared:
         return {}
-    first: dict[Place, int] = {}
-    for i, step in enumerate(steps):
-        if not step.again:
-            first.setdefault(step.place, i)
     ends = {}  # block in a top-level segment -> where the segment lets go of its inputs
     for node, end, above in tree.segments:
         if not above:
-            ends.update(dict.fromkeys(range(node.start, end), first[("bwd", node.start)]))
+            ends.update(dict.fromkeys(range(node.start, end), walk.first(("bwd", node.start))))
     keep = c.chain.policies.index(KEEP) if KEEP in c.chain.policies else None
 
     def position(place: Place | None) -> int:
-        return _NEVER if place is None else first.get(place, -1)
+        return _NEVER if place is None else walk.first(place)
 
     out: dict[int, list[int]] = {}
     for sh in c.shared:
@@ -197,20 +193,20 @@ def _shared_fixes(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[in
             elif (own := tree.own.get(r)) is not None and own.policy == keep and keep is not None:
                 latest = max(latest, position(sh.freed.get(keep)))
             else:
-                latest = max(latest, first[("bwd", r)])
+                latest = max(latest, walk.first(("bwd", r)))
         at = None if latest >= _NEVER or latest < 0 else latest
-        run_frees = [i for i, s in enumerate(steps) if sh.freed.get(s.run) == s.place]
+        run_frees = walk.freeing(sh.freed)
         for i in run_frees:
             if i != at:  # the run freed it here (a recomputation never frees it), the plan does not
                 entry = out.setdefault(i, [0, 0])
                 entry[0] += sh.nbytes
-                entry[1] = max(entry[1], sh.after[steps[i].run] + entry[0])
+                entry[1] = max(entry[1], sh.after[walk.steps[i].run] + entry[0])
         if at is not None and at not in run_frees:  # the plan frees it here, the run did not
             out.setdefault(at, [0, 0])[0] -= sh.nbytes
     return {i: (d, least) for i, (d, least) in out.items()}
 
 
-def _selective_caches(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _selective_caches(c: Costs, tree: Tree, walk: Walk) -> dict[int, tuple[int, int]]:
     """A selective block inside a segment keeps a cache from every forward of it but its own last recomputation
     until its backward (NOTE [Selective caches inside a segment] in remat.planning._nested): per step index,
     (bytes added to its delta, least its peak reaches)."""
@@ -222,19 +218,19 @@ def _selective_caches(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tupl
         if own is None or bool(c.inside[p := own.policy]):
             continue
         cache = max(int(ch.fwd_delta[k, j] - ch.fwd_delta[k, c.full]) for j in np.flatnonzero(~c.inside))
-        made = [i for i, s in enumerate(steps) if s.place == ("fwd", k) and s.run != p]
+        made = [i for i in walk.at[("fwd", k)] if walk.steps[i].run != p]
         if cache <= 0 or not made:
             continue
         for i in made:  # a forward of it under its segment: its cache on top of the full run's numbers
             d, least = out.get(i, (0, 0))
-            out[i] = (d + cache, max(least, steps[i].peak + d + cache))
-        bwd = next(i for i, s in enumerate(steps) if s.place == ("bwd", k))
+            out[i] = (d + cache, max(least, walk.steps[i].peak + d + cache))
+        bwd = walk.at[("bwd", k)][0]
         d, least = out.get(bwd, (0, 0))
         out[bwd] = (d - cache * len(made), least)  # let go with its backward (live through all of it: safe)
     return out
 
 
-def _written_inputs(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _written_inputs(c: Costs, tree: Tree, walk: Walk) -> dict[int, tuple[int, int]]:
     """Copies of a written input a block inside a segment, or right after one, makes (NOTE [Inputs written in
     place inside a segment] in remat.planning._nested), per step index: on the safe side, one per region that
     holds the block and one more, and inside a segment one more again, live from the outermost segment's
@@ -249,9 +245,9 @@ def _written_inputs(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[
         first = min(p[0].start for p in (path, path_before) if p)
         copies = max(len(path), len(path_before)) + (2 if path else 1)
         extra = copies * int(c.out[k - 1] if k > 0 else c.first_input)
-        at = next(i for i, s in enumerate(steps) if s.place == ("fwd", first))
+        at = walk.at[("fwd", first)][0]
         d, least = out.get(at, (0, 0))
-        out[at] = (d + extra, max(least, steps[at].peak + d + extra))
+        out[at] = (d + extra, max(least, walk.steps[at].peak + d + extra))
     return out
 
 
@@ -267,7 +263,7 @@ def _written_inside(c: Costs, tree: Tree, k: int) -> bool:
     return same and all(node is not None and node.policy == keep for node in (own, own_before))
 
 
-def _outputs_gone(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[int, int]]:
+def _outputs_gone(c: Costs, tree: Tree, walk: Walk) -> dict[int, tuple[int, int]]:
     """Outputs a segment let go of in its forward, or a holder keeps, that a step's run frees (NOTE [Outputs
     the parent keeps that nothing saves]): per step index, (bytes added to its delta, least its peak reaches)."""
     # block -> (from which forward, from which backward no step frees its output): a top-level segment's
@@ -285,12 +281,13 @@ def _outputs_gone(c: Costs, tree: Tree, steps: list[Step]) -> dict[int, tuple[in
         if k not in gone:
             continue
         fwd_from, bwd_from = gone[k]
-        for i, step in enumerate(steps):
+        for i in walk.freeing(o.freed):
+            step = walk.steps[i]
             kind, at = step.place
             after = kind == "post" or (kind == "bwd" and at >= bwd_from) or (kind != "bwd" and at >= fwd_from)
-            if not step.again and after and o.freed.get(step.run) == step.place:
+            if not step.again and after:
                 _undo_free(out, i, o, step.run)
-    _inputs_held(c, tree, steps, out)
+    _inputs_held(c, tree, walk, out)
     return out
 
 
@@ -299,7 +296,7 @@ def _undo_free(out: dict[int, tuple[int, int]], i: int, o: Shared, run: int) -> 
     out[i] = (d + o.nbytes, max(least, o.after[run] + d + o.nbytes))
 
 
-def _inputs_held(c: Costs, tree: Tree, steps: list[Step], out: dict[int, tuple[int, int]]) -> None:
+def _inputs_held(c: Costs, tree: Tree, walk: Walk, out: dict[int, tuple[int, int]]) -> None:
     """Block k-1's output held past a run's free of it by a segment that begins at block k, from the segment's
     forward (the depth-th forward of block k in the walk), or by block k itself from its last forward (NOTE [An
     input its block holds until its backward]); block k's backward frees it where its run did not (a block
@@ -310,18 +307,18 @@ def _inputs_held(c: Costs, tree: Tree, steps: list[Step], out: dict[int, tuple[i
         starts.setdefault(node.start, len(above) + 1)
     for o in c.outputs:
         k = o.receivers[0] + 1
-        own, end = tree.own.get(k), next((i for i, step in enumerate(steps) if step.place == ("bwd", k)), -1)
-        forwards = [i for i, step in enumerate(steps) if step.place == ("fwd", k) and i < end]
+        own, end = tree.own.get(k), walk.at.get(("bwd", k), [-1])[0]
+        forwards = [i for i in walk.at.get(("fwd", k), ()) if i < end]
         if k in starts:
             begin = forwards[starts[k] - 1]
         elif own is not None and end >= 0 and o.freed.get(own.policy) == ("bwd", k):
             begin = forwards[-1]  # NOTE [An input its block holds until its backward]
         else:
             continue
-        for i in range(begin, end):
-            if o.freed.get(steps[i].run) == steps[i].place:
-                _undo_free(out, i, o, steps[i].run)
-        if o.freed.get(steps[end].run) not in (("bwd", k), ("bwd", k - 1), None):  # None: it outlived the step
+        for i in walk.freeing(o.freed):
+            if begin <= i < end:
+                _undo_free(out, i, o, walk.steps[i].run)
+        if o.freed.get(walk.steps[end].run) not in (("bwd", k), ("bwd", k - 1), None):  # None: it outlived the step
             d, least = out.get(end, (0, 0))
             out[end] = (d - o.nbytes, least)  # with block k's backward (live through all of it: safe)
 
@@ -329,22 +326,22 @@ def _inputs_held(c: Costs, tree: Tree, steps: list[Step], out: dict[int, tuple[i
 def simulate(c: Costs, nodes: tuple[Node, ...]) -> int:
     """Predicted peak of the nested plan ``nodes`` (NOTE [The nested peak model])."""
     tree = Tree(nodes)
-    steps = _walk(c, tree)
-    fixes = _shared_fixes(c, tree, steps)
+    walk = Walk(_walk(c, tree))
+    fixes = _shared_fixes(c, tree, walk)
     for extra in (
-        _selective_caches(c, tree, steps),
-        _written_inputs(c, tree, steps),
-        _outputs_gone(c, tree, steps),
-        _outputs_held(c, nodes, steps),
+        _selective_caches(c, tree, walk),
+        _written_inputs(c, tree, walk),
+        _outputs_gone(c, tree, walk),
+        _outputs_held(c, nodes, walk),
     ):
         for i, (d, least) in extra.items():
             d0, least0 = fixes.get(i, (0, 0))
             fixes[i] = (d0 + d, max(least0 + d, least + d0))
     made = c.made_first if c.made_first is not None else np.zeros(len(c.chain.blocks), dtype=np.int64)
     # NOTE [Buffers a region keeps for its recomputation], NOTE [Buffers a segment copies and drops]
-    copies = buffer_copies_at_peak(c, tree, steps) + snapshots_at_peak(c, tree, steps)
+    copies = buffer_copies_at_peak(c, tree, walk) + snapshots_at_peak(c, tree, walk.steps)
     live, top = c.chain.start, c.chain.pre_peak
-    for i, step in enumerate(steps):
+    for i, step in enumerate(walk.steps):
         added, least = fixes.get(i, (0, 0))
         # a recomputation runs on top of what the backward that began it has made (NOTE [What a segment's last
         # block makes before its recomputation])
