@@ -69,11 +69,56 @@ def test_the_top_most_module_called_more_than_once_is_the_unit():
     assert called_more_than_once(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4), training=True) == []
 
 
-def test_a_forward_that_fails_finds_no_units_and_leaves_no_hook():
+@pytest.mark.parametrize("real", [False, True])
+def test_a_forward_that_fails_raises_its_error_and_leaves_no_hook(real):
     torch.manual_seed(0)
     model = Recurrent()
-    assert called_more_than_once(model, torch.randn(8, 32, 15), training=True) == []  # the wrong width
+    with pytest.raises(RuntimeError, match="15"):
+        called_more_than_once(model, torch.randn(8, 32, 15), training=True, real=real)  # the wrong width
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def _wrong_labels(inputs: dict) -> dict:
+    return {**inputs, "labels": inputs["labels"][:2]}  # two rows of labels for a batch of four
+
+
+def test_a_step_that_fails_says_so_where_its_units_come_from_the_execution():
+    # Once swallowed: ALBERT's units come from the execution alone, and the traced cut (which cannot bind
+    # transformers 5's **kwargs forward) then said "found no blocks", not what the user's step did wrong.
+    model, inputs = _albert()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(remat.RematError) as err:
+        remat.profile(model, _wrong_labels(inputs), repeat=1, warmup=0)
+    message = str(err.value)
+    assert (
+        "found no blocks" not in message
+        and "Expected input batch_size (64) to match target batch_size (32)." in message
+    )
+    assert "AlbertForMaskedLM.forward" in message and isinstance(err.value.__cause__, ValueError)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items()) and model.training
+    assert [b.name for b in remat.profile(model, inputs, repeat=1, warmup=0).blocks] == [
+        "albert.encoder.albert_layer_groups.0"
+    ]
+
+
+def test_a_fake_profile_that_finds_no_units_says_what_its_fake_forward_raised():
+    # On fake tensors a failure may be their refusal of an op, so the traced cut is still tried; where it fails
+    # too, its message carries what the fake forward raised.
+    model, inputs = _albert()
+    try:
+        remat.profile(model, _wrong_labels(inputs), fake=True, target="cpu", repeat=1, warmup=0)
+    except remat.RematError as err:
+        message = str(err)
+    else:
+        pytest.fail("a fake profile of a step that fails returned a profile")
+    if "found no blocks" in message:  # the traced cut failed too
+        # transformers 5: the step's own error; 4.x: fake tensors' refusal of its padding check, which reads values
+        assert "on fake tensors, raised" in message
+        assert "target batch_size (32)" in message or "DataDependentOutputException" in message
+    else:  # the traced cut ran, and the profiled step raised the error itself
+        assert "target batch_size (32)" in message
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 def test_a_flat_chain_called_once_keeps_its_layers():
@@ -109,7 +154,8 @@ def test_a_forward_fake_tensors_cannot_run_is_counted_for_real_where_the_profile
     real_forward = called._fake_forward
     try:
         called._fake_forward = refuses
-        assert called_more_than_once(model, inputs, training=True) == []  # a fake profile's: none
+        with pytest.raises(RuntimeError, match="fake tensors do not have"):  # a fake profile's: the refusal
+            called_more_than_once(model, inputs, training=True)
         assert called_more_than_once(model, inputs, training=True, real=True) == [
             "albert.encoder.albert_layer_groups.0"
         ]

@@ -37,12 +37,13 @@ def _innermost_module(model: nn.Module, tb: TracebackType | None) -> str | None:
 
 
 def where_raised(model: nn.Module, exc: BaseException, blocks: Iterable[str] = ()) -> str:
-    """`` in block 'b' (module 'b.m')``, `` in module 'm'`` or ``""`` (outside the model: the loss, say)."""
+    """`` in block 'b' (module 'b.m')``, `` in module 'm'``, `` in Model.forward`` or ``""`` (outside the model: the
+    loss, say)."""
     module = _innermost_module(model, exc.__traceback__)
     if module is None:
         return ""
     if module == "":
-        return f" in {type(model).__name__}.forward (outside every block)" if blocks else ""
+        return f" in {type(model).__name__}.forward" + (" (outside every block)" if blocks else "")
     block = next((b for b in blocks if module == b or module.startswith(b + ".")), None)
     if block is None:
         return f" in module {module!r}"
@@ -67,9 +68,10 @@ def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = 
             "checkpointing does not fit, or profile with fake=True (nothing is allocated); or lower the batch size."
         ) from exc
     except Exception as exc:
+        told = str(exc).rstrip().rstrip(".")  # the sentence goes on after it
         raise RematError(
             f"{api}: the training step raised {type(exc).__name__}{where_raised(model, exc, list(blocks))} during "
-            f"{step}: {exc}. The model was restored; fix the error (run one step yourself, or see this error's "
+            f"{step}: {told}. The model was restored; fix the error (run one step yourself, or see this error's "
             "__cause__, for the full traceback), then call again."
         ) from exc
 

@@ -14,6 +14,13 @@ transformers 4.x's padding check) runs for real where the profile is real anyway
 gradients (less than the profile's own steps hold) and with the model's state and RNG put back;
 a fake profile finds none here. With none, the traced cut is tried as before (NOTE [Cutting a
 traced forward] in remat.profiling._traced).
+
+A forward that fails on real tensors is the model's own error, and the profile's steps would
+raise it too: remat.profile says so (which module raised what). Once it was swallowed, and a
+model whose units come from the execution alone (ALBERT given labels of the wrong batch size)
+got "found no blocks" from the traced cut, which cannot bind transformers 5's ``**kwargs``
+forwards. On fake tensors the failure may be their refusal of an op, so the traced cut is
+still tried, and if it fails too its message says what the fake forward raised.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ __all__ = ["called_more_than_once", "random_branches"]
 
 def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | None, real: bool = False) -> list[str]:
     """The top-most modules with submodules that one forward of ``model`` calls two or more times, in registration
-    order (NOTE [Units from the execution]); [] when there are none or the forward fails (on fake tensors, and with
-    ``real`` on real ones too)."""
+    order (NOTE [Units from the execution]); [] when there are none. A forward that fails raises: on fake tensors
+    (without ``real``) their refusal of an op or the model's own error, with ``real`` the model's own error on
+    real tensors."""
     names = {id(m): n for n, m in model.named_modules() if n and not is_leaf(m)}
     counts: Counter[str] = Counter()
     hooks = [
@@ -60,8 +68,6 @@ def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | 
                     raise
                 counts.clear()
                 _real_forward(model, inputs)
-    except Exception:  # the model's own error, or fake tensors' refusal: the traced cut says why, if it fails too
-        return []
     finally:
         for hook in hooks:
             hook.remove()
