@@ -181,3 +181,117 @@ def test_auto_plans_a_layerdrop_model_for_every_layer_and_later_draws_stay_withi
         skipped.add(sum(p.grad is None for p in model.parameters()))
     assert len(skipped) > 1
     remat.remove(model)
+
+
+class _LayerDropChain(nn.Module):
+    """Blocks handing each output to the next (nested segments can run over them), skipped as transformers
+    skips them: wav2vec2's default LayerDrop, at a size where the nested floor is below one level's."""
+
+    def __init__(self, layerdrop: float, n: int = 16, d: int = 64):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Dropout(0.1), nn.Linear(d, d), nn.Tanh()) for _ in range(n)
+        )
+        self.head = nn.Linear(d, 1)
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
+                continue
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def _floor_plan(prof):
+    return remat.plan(prof, remat.plan(prof, 0.99).min_peak_bytes)
+
+
+def _steps(model, x, seeds):
+    out = []
+    for seed in seeds:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = model(x)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_a_layerdrop_model_gets_no_nested_segment_and_trains_the_same_function_at_its_floor():
+    # Once remat.auto applied, verified with LayerDrop off, a nested plan whose later steps ran the layers LayerDrop
+    # skipped inside a segment (other losses) or stopped on a block called with another input (NOTE [LayerDrop and
+    # nested segments] in remat.core._hf).
+    torch.manual_seed(0)
+    x = torch.randn(512, 16)
+    without = remat.profile(_LayerDropChain(0.0).train(), x, repeat=1, warmup=0)
+    floor = _floor_plan(without)
+    assert floor.segments, "the test's premise: without LayerDrop the floor is a nested plan"
+    torch.manual_seed(0)
+    model = _LayerDropChain(0.3).train()
+    reference = copy.deepcopy(model)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    assert prof.skips_layers == ("_LayerDropChain.layerdrop = 0.3",) and any("LayerDrop is on" in n for n in prof.notes)
+    assert Profile.from_json(prof.to_json()).skips_layers == prof.skips_layers
+    lowest = _floor_plan(prof)
+    assert not lowest.segments and lowest.min_peak_bytes > floor.min_peak_bytes
+    plan = remat.auto(model, x, (lowest.min_peak_bytes * 1.01 + 1) / prof.baseline_peak_bytes, repeat=1, warmup=0)
+    assert not plan.segments and plan.checkpointed
+    got, want = _steps(model, x, range(6)), _steps(reference, x, range(6))
+    for (loss, grads), (loss2, grads2) in zip(got, want):
+        assert torch.equal(loss, loss2) and grads.keys() == grads2.keys()
+        assert all(torch.equal(grads[n], grads2[n]) for n in grads)
+    assert len({len(g) for _, g in want}) > 1  # the draws skipped layers, a different number from step to step
+    remat.remove(model)
+
+
+def test_apply_refuses_nested_segments_on_a_layerdrop_model_and_leaves_it_as_it_was():
+    torch.manual_seed(0)
+    x = torch.randn(512, 16)
+    floor = _floor_plan(remat.profile(_LayerDropChain(0.0).train(), x, repeat=1, warmup=0))
+    assert floor.segments
+    model = _LayerDropChain(0.3).train()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(remat.RematError, match=r"LayerDrop: _LayerDropChain.layerdrop = 0.3.*nested=False"):
+        remat.apply(model, floor)
+    assert all("forward" not in m.__dict__ and not remat.is_wrapped(m) for m in model.modules())
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    model.layerdrop = 0.0  # off: the same plan runs
+    remat.apply(model, floor)
+    remat.remove(model)
+
+
+class _LayerDropLoop(nn.Module):
+    """No submodules (its forward is cut along a trace), LayerDrop on its loop's steps."""
+
+    def __init__(self, layerdrop: float, n: int = 8, d: int = 32):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, d, d) / d**0.5)
+        self.n, self.layerdrop = n, layerdrop
+
+    def forward(self, x):
+        for k in range(self.n):
+            if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
+                continue
+            x = torch.tanh(x @ self.w[k])
+        return x.square().mean()
+
+
+def test_a_layerdrop_model_is_not_cut_along_a_trace_which_would_fix_one_draw():
+    # A trace taken while LayerDrop is on runs the layers one draw kept, every step after (or, taken with it off,
+    # every layer): a plan of traced segments would train another function.
+    torch.manual_seed(0)
+    from remat.profiling._traced import is_traced_plan
+
+    x = torch.randn(512, 32)
+    traced = _floor_plan(remat.profile(_LayerDropLoop(0.0).train(), x, repeat=1, warmup=0))
+    assert is_traced_plan(traced.assignment) and traced.checkpointed
+    model = _LayerDropLoop(0.5).train()
+    with pytest.raises(remat.RematError, match=r"LayerDrop: _LayerDropLoop.layerdrop = 0.5.*not cut along a trace"):
+        remat.profile(model, x, repeat=1, warmup=0)
+    with pytest.raises(remat.RematError, match=r"LayerDrop: _LayerDropLoop.layerdrop = 0.5.*one draw's path"):
+        remat.apply(model, traced)
+    assert not list(model.children()) and "forward" not in model.__dict__ and model.layerdrop == 0.5

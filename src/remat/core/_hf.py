@@ -20,6 +20,18 @@ attribute whose name holds ``layerdrop``, a float in (0, 1]; every transformers 
 it so) is 0, and it is put back afterwards. A plan of that step holds whichever layers a
 later step skips. Branches on random draws it cannot turn off are found as the step runs
 (NOTE [Branches on random draws] in ``remat.profiling._random_branches``).
+
+NOTE [LayerDrop and nested segments]
+That holds for plans one level deep, where each block is its own region: a skipped layer is
+a region that does not run. A nested segment runs its blocks as one region from its first
+block's call (NOTE [How a run of blocks becomes one region] in ``remat.core._segment``), so
+it cannot skip one: a layer skipped inside it ran anyway, and a skipped first block left the
+next one called with another input, which the segment refuses mid-training. Verification
+did not see it, since LayerDrop is off while it runs: on wav2vec2 (``layerdrop`` 0.1 by
+default, 4 layers) ``remat.auto`` at its floor applied a verified plan with two segments
+whose later steps computed other losses and gradients. So a profile records the model's
+LayerDrop settings (``Profile.skips_layers``), the planner makes no nested segment for it,
+and ``remat.apply`` refuses segments on a model with LayerDrop on.
 """
 
 from __future__ import annotations
@@ -82,6 +94,12 @@ def _layerdrop_settings(model: nn.Module) -> list[tuple[object, str]]:
             if "layerdrop" in name.lower() and type(value) is float and 0 < value <= 1:  # a probability
                 found.append((owner, name))
     return found
+
+
+def layerdrop_settings(model: nn.Module) -> tuple[str, ...]:
+    """``model``'s LayerDrop probabilities above 0, for messages: ``"Wav2Vec2Config.layerdrop = 0.1"``."""
+    found = _layerdrop_settings(model)
+    return tuple(f"{type(owner).__name__}.{name} = {getattr(owner, name)}" for owner, name in found)
 
 
 @contextlib.contextmanager

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from remat.core._bound import PicklesBoundMethods
+from remat.core._hf import layerdrop_settings
 from remat.core._region import REGION_BUFFER_MODULES
 from remat.core.checkpoint import checkpoint
 from remat.errors import RematError
@@ -291,6 +292,7 @@ def schedule_segments(
                 f"not overlap; got {list(segments)}."
             )
     _refuse_unchained(order, spans, set(unchained))
+    _refuse_layerdrop(model)
     named = dict(model.named_modules())
     modules = [named[n] for n in order]
     outer = [s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)]
@@ -316,6 +318,17 @@ def _refuse_unchained(order: Sequence[str], spans: list[tuple[int, int]], unchai
                 "would get wrong values (NOTE [Reads the segment cannot see]). Plan with remat.plan(profile, "
                 "budget, nested=False) for this model, or leave those blocks out of the plan's segments."
             )
+
+
+def _refuse_layerdrop(model: nn.Module) -> None:
+    skips = layerdrop_settings(model)
+    if skips:
+        raise NotAChain(
+            f"remat.apply: {type(model).__name__} skips layers at random in training (LayerDrop: {', '.join(skips)}), "
+            "and a nested segment runs its blocks as one region: it cannot skip one, so the step would compute "
+            "another function (NOTE [LayerDrop and nested segments] in remat.core._hf). Plan one level deep "
+            "(remat.plan(profile, budget, nested=False)), or set LayerDrop to 0 for nested plans."
+        )
 
 
 def unschedule(module: nn.Module) -> None:

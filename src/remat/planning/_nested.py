@@ -349,8 +349,8 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
 def costs_of(profile: Profile) -> Costs | None:
     """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
     ch = chain_of(profile)
-    if ch is None or FULL not in ch.policies or len(ch.blocks) > MAX_BLOCKS:
-        return None
+    if ch is None or FULL not in ch.policies or len(ch.blocks) > MAX_BLOCKS or profile.skips_layers:
+        return None  # a model that skips layers at random: NOTE [LayerDrop and nested segments] in remat.core._hf
     chained = np.array([b not in profile.unchained for b in ch.blocks[:-1]] + [True])  # the last one feeds the head
     by_name = {b.name: b for b in profile.blocks}
     out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)

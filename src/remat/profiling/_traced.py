@@ -38,6 +38,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from remat.core._hf import layerdrop_settings
 from remat.errors import RematError
 from remat.profiling import _traced_repeat
 from remat.profiling._traced_cut import (
@@ -194,6 +195,13 @@ def install_from_names(model: nn.Module, names: Iterable[str], *, training: bool
             "remat.remove(model) first."
         )
     wanted = [n.removeprefix(f"{HOLDER}.{_PREFIX}") for n in names if n.startswith(f"{HOLDER}.{_PREFIX}")]
+    skips = layerdrop_settings(model)
+    if skips:  # NOTE [LayerDrop and nested segments] in remat.core._hf
+        raise RematError(
+            f"remat.apply: the plan checkpoints segments of {type(model).__name__}'s traced forward, but the model "
+            f"skips layers at random (LayerDrop: {', '.join(skips)}) and a trace would fix one draw's path. Set "
+            "LayerDrop to 0, or plan with blocks=[...] naming its layers."
+        )
     try:
         signature = _signature(model)
         trace = traced(model, training)

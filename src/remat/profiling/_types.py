@@ -152,6 +152,9 @@ class Profile:
     new_arguments: tuple[str, ...] = ()
     """Blocks called with other arguments than tensors (their number, keywords, values) than the block before them:
     no nested segment holds both (NOTE [Arguments a segment hands on] in remat.planning._nested)."""
+    skips_layers: tuple[str, ...] = ()
+    """The model's LayerDrop probabilities above 0 (``"Wav2Vec2Config.layerdrop = 0.1"``): a later step may skip any
+    layer, so no nested segment is planned (NOTE [LayerDrop and nested segments] in remat.core._hf)."""
     random_branches: tuple[str, ...] = ()
     """Where the forward reads a random draw into Python (``file.py:line (function)``): a later step may take
     another path than the profiled one (NOTE [Branches on random draws] in remat.profiling._random_branches)."""
@@ -282,6 +285,7 @@ class Profile:
         data["unchained"] = tuple(data.get("unchained", ()))
         data["new_arguments"] = tuple(data.get("new_arguments", ()))
         data["random_branches"] = tuple(data.get("random_branches", ()))
+        data["skips_layers"] = tuple(data.get("skips_layers", ()))
         return cls(**data)
 
 

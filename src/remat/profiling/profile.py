@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from remat.core._costs import costs, spent
-from remat.core._hf import every_layer_runs
+from remat.core._hf import every_layer_runs, layerdrop_settings
 from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
 from remat.core._policy_registry import FULL, KEEP, POLICIES
@@ -93,25 +93,47 @@ def profile(
         optimizer=optimizer,
         accumulation_steps=accumulation_steps,
     )
+    skips = layerdrop_settings(model)
     with every_layer_runs(model):  # NOTE [LayerDrop while planning]
-        return _with_random_branches(
-            _profile_units(model, inputs, loss_fn, blocks, names, options), model, inputs, options
+        prof = _with_random_branches(
+            _profile_units(model, inputs, loss_fn, blocks, names, options, skips), model, inputs, options
         )
+    if skips:  # NOTE [LayerDrop and nested segments]
+        prof.skips_layers = skips
+        prof.notes.append(
+            f"LayerDrop is on ({', '.join(skips)}): plans are one level deep, as a nested segment cannot skip a "
+            "layer; set it to 0 for nested plans."
+        )
+    return prof
 
 
 def _profile_units(
-    model: Any, inputs: Any, loss_fn: Any, blocks: str | list[str] | None, names: list[str], options: dict
+    model: Any,
+    inputs: Any,
+    loss_fn: Any,
+    blocks: str | list[str] | None,
+    names: list[str],
+    options: dict,
+    skips: tuple[str, ...],
 ) -> Profile:
-    """The profile of ``names``, of units from the execution or of the traced forward's segments."""
+    """The profile of ``names``, of units from the execution or of the traced forward's segments (not for a model
+    with LayerDrop on, ``skips``: a trace fixes one draw's path, NOTE [LayerDrop and nested segments])."""
     from remat.profiling._blocks import suggest_blocks
 
     failed = ""
     if blocks in (None, "auto", "coarse", "fine"):  # NOTE [Units from the execution]
         names, failed = _units_from_the_execution(model, inputs, names, options["training"], real=not options["fake"])
+    if not names and skips:
+        raise RematError(
+            f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated children), and "
+            f"it skips layers at random (LayerDrop: {', '.join(skips)}), so its forward is not cut along a trace, "
+            "which would fix one draw's path. Pass blocks=[...] with the module names to consider"
+            f"{suggest_blocks(model) + failed}, or set LayerDrop to 0."
+        )
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
         return _traced_profile(model, inputs, loss_fn, options, suggest_blocks(model) + failed)
     prof = _module_profile(model, inputs, loss_fn, names, **options)
-    if blocks not in (None, "auto") or freeable_bytes(prof) >= _FREES_ENOUGH * activation_bytes(prof):
+    if blocks not in (None, "auto") or skips or freeable_bytes(prof) >= _FREES_ENOUGH * activation_bytes(prof):
         return prof
     # NOTE [Units that free little]
     try:
