@@ -1,0 +1,299 @@
+"""remat.auto across transformers architectures: the budget held, the step bit for bit, the model restored.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py            # every architecture
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py llama t5   # some
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py --write    # into BENCHMARKS.md
+
+Each architecture is built from a tiny config with random weights (nothing is downloaded) with
+``--layers`` layers, in training mode (dropout as its config sets it), fed a batch with labels so
+that ``output.loss`` is the loss; remat finds the blocks (``blocks=None``). One profile gives the
+peak without checkpointing and the lowest peak any plan reaches (the floor); then ``remat.auto``
+(verify on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies and nested
+segments, predicted and measured peaks (``remat.measure``), and whether the step with the plan
+(loss, every gradient, every buffer) equals a step of an untouched copy of the model, compared
+here with ``torch.equal`` (torch's, NumPy's and Python's generators seeded alike: wav2vec2 masks
+with NumPy); then ``remat.remove`` must leave the parameters and the module tree as they were.
+A refusal (a budget below the floor) is a row too, with auto's reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import random
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import _sections
+import numpy as np
+import torch
+from torch import nn
+
+import remat
+
+BATCH, SEQ, VOCAB = 4, 128, 256
+Built = tuple[nn.Module, dict[str, torch.Tensor]]
+
+
+def _ids(seed: int = 1, vocab: int = VOCAB, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _config(kind: str, layers: int, **kw: Any) -> Any:
+    import transformers
+
+    small = dict(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
+    return transformers.AutoConfig.for_model(kind, **{**small, **kw})
+
+
+def _causal_lm(kind: str, **kw: Any) -> Callable[[int], Built]:
+    def build(layers: int) -> Built:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_config(_config(kind, layers, **kw))
+        ids = _ids()
+        return model, {"input_ids": ids, "labels": ids}
+
+    return build
+
+
+def _classifier(kind: str, **kw: Any) -> Callable[[int], Built]:
+    def build(layers: int) -> Built:
+        import transformers
+
+        model = transformers.AutoModelForSequenceClassification.from_config(_config(kind, layers, num_labels=3, **kw))
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[BATCH // 2 :, SEQ - 8 :] = 0  # padding in half the batch
+        return model, {"input_ids": _ids(), "attention_mask": mask, "labels": torch.arange(BATCH) % 3}
+
+    return build
+
+
+def _seq2seq(kind: str, **kw: Any) -> Callable[[int], Built]:
+    def build(layers: int) -> Built:
+        import transformers
+
+        model = transformers.AutoModelForSeq2SeqLM.from_config(_config(kind, layers, **kw))
+        ids = _ids()
+        return model, {"input_ids": ids, "labels": ids[:, : SEQ // 8].contiguous()}
+
+    return build
+
+
+def _image(kind: str, size: int = 32, **kw: Any) -> Callable[[int], Built]:
+    def build(layers: int) -> Built:
+        import transformers
+
+        config = transformers.AutoConfig.for_model(kind, num_labels=3, **kw)
+        if hasattr(config, "num_hidden_layers") and "depths" not in kw:
+            config.num_hidden_layers = layers
+        model = transformers.AutoModelForImageClassification.from_config(config)
+        pixels = torch.randn(BATCH, 3, size, size, generator=torch.Generator().manual_seed(2))
+        return model, {"pixel_values": pixels, "labels": torch.arange(BATCH) % 3}
+
+    return build
+
+
+def _whisper(layers: int) -> Built:
+    import transformers
+
+    config = transformers.WhisperConfig(
+        d_model=64,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        num_mel_bins=16,
+        max_source_positions=32,
+        vocab_size=VOCAB,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    features = torch.randn(BATCH, 16, 64, generator=torch.Generator().manual_seed(3))
+    return transformers.WhisperForConditionalGeneration(config), {"input_features": features, "labels": _ids(seq=12)}
+
+
+def _wav2vec2(layers: int) -> Built:
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=32,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        ctc_loss_reduction="mean",
+        pad_token_id=0,
+    )
+    wave = torch.randn(BATCH, 4000, generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(1, 32, (BATCH, 10), generator=torch.Generator().manual_seed(5))
+    return transformers.Wav2Vec2ForCTC(config), {"input_values": wave, "labels": labels}
+
+
+_KV = {"num_key_value_heads": 2}
+ARCHITECTURES: dict[str, Callable[[int], Built]] = {
+    "gpt2": lambda n: _causal_lm("gpt2", n_embd=64, n_layer=n, n_head=4, n_positions=SEQ)(n),
+    "llama": _causal_lm("llama", **_KV),
+    "mistral": _causal_lm("mistral", **_KV, sliding_window=16),
+    "qwen2": _causal_lm("qwen2", **_KV),
+    "qwen3": _causal_lm("qwen3", **_KV, head_dim=16),
+    "gemma2": _causal_lm("gemma2", **_KV, head_dim=16),
+    "phi3": _causal_lm("phi3", **_KV, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gpt_neox": _causal_lm("gpt_neox"),
+    "bloom": lambda n: _causal_lm("bloom", n_layer=n, n_head=4)(n),
+    "opt": _causal_lm("opt", ffn_dim=128, word_embed_proj_dim=64),
+    "falcon": _causal_lm("falcon", new_decoder_architecture=False),
+    "mixtral": _causal_lm("mixtral", **_KV, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+    "qwen2_moe": _causal_lm(
+        "qwen2_moe",
+        **_KV,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        output_router_logits=True,
+    ),
+    "bert": _classifier("bert"),
+    "roberta": _classifier("roberta", pad_token_id=1, max_position_embeddings=SEQ + 2),
+    "deberta-v2": _classifier("deberta-v2"),
+    "distilbert": lambda n: _classifier("distilbert", dim=64, n_layers=n, n_heads=4, hidden_dim=128)(n),
+    "electra": _classifier("electra", embedding_size=32),
+    "albert": _classifier("albert", embedding_size=32),
+    "t5": lambda n: _seq2seq(
+        "t5", d_model=64, d_kv=16, d_ff=128, num_layers=n, num_decoder_layers=n, num_heads=4, decoder_start_token_id=0
+    )(n),
+    "bart": lambda n: _seq2seq(
+        "bart",
+        d_model=64,
+        encoder_layers=n,
+        decoder_layers=n,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+    )(n),
+    "whisper": _whisper,
+    "wav2vec2": _wav2vec2,
+    "vit": _image("vit", hidden_size=64, num_attention_heads=4, intermediate_size=128, image_size=32, patch_size=8),
+    "dinov2": _image("dinov2", hidden_size=64, num_attention_heads=4, image_size=32, patch_size=8),
+    "swin": _image("swin", embed_dim=16, depths=[2, 2], num_heads=[2, 4], image_size=32, patch_size=4, window_size=4),
+    "convnext": _image("convnext", size=96, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1]),
+    "resnet": _image("resnet", size=96, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], embedding_size=16),
+}
+
+
+def _step(model: nn.Module, batch: dict[str, torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, dict, dict]:
+    """Loss, gradients and buffers after one step from the same generator states."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _differences(ref: tuple, got: tuple) -> list[str]:
+    (loss, grads, bufs), (loss2, grads2, bufs2) = ref, got
+    out = [] if torch.equal(loss, loss2) else ["loss"]
+    out += ["gradient names"] if grads.keys() != grads2.keys() else []
+    out += [n for n in grads.keys() & grads2.keys() if not torch.equal(grads[n], grads2[n])]
+    return out + [n for n in bufs if n in bufs2 and not torch.equal(bufs[n], bufs2[n])]
+
+
+def _plan_cell(plan: remat.Plan) -> str:
+    counts = Counter(plan.assignment.values())
+    text = ", ".join(f"{n} {p}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return text + (f"; {len(plan.segments)} nested segment(s)" if plan.segments else "")
+
+
+def _row(name: str, model: nn.Module, batch: dict, fraction: float, base: int, floor: int) -> tuple[str, bool]:
+    """One budget's row (its table line, whether every check held); the model is left without a plan."""
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state, tree = {n: t.clone() for n, t in model.state_dict().items()}, str(model)
+    reference = _step(copy.deepcopy(model), batch)
+    start = time.perf_counter()
+    try:
+        plan = remat.auto(model, batch, fraction, repeat=1, warmup=0)
+    except remat.RematError as err:
+        below = "below the lowest peak" in str(err)
+        reason = f"below the floor, {floor / base:.3f}" if below else str(err)[:120].replace("|", "/")
+        return f"| {name} | {fraction:.3f} | refused: {reason} | | | | |", below
+    seconds = time.perf_counter() - start
+    measured = remat.measure(model, batch, repeat=1, warmup=0).peak_bytes
+    differs = _differences(reference, _step(model, batch))
+    remat.remove(model)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, params[n])]
+    restored = not moved and str(model) == tree
+    model.load_state_dict(state)  # the steps moved BatchNorm statistics on: the next budget starts alike
+    within = measured <= plan.budget_bytes
+    equal = "yes" if not differs else f"no: {', '.join(differs[:3])}"
+    line = (
+        f"| {name} | {fraction:.3f} | {_plan_cell(plan)} | {plan.predicted_peak_bytes / base:.3f} | "
+        f"{measured / base:.3f} {'≤' if within else '>'} budget | {equal} | {'yes' if restored else 'no'} "
+        f"({seconds:.0f} s) |"
+    )
+    return line, within and not differs and restored
+
+
+def _architecture(name: str, layers: int) -> list[bool]:
+    torch.manual_seed(0)
+    model, batch = ARCHITECTURES[name](layers)
+    model.train()
+    prof = remat.profile(model, batch, repeat=1, warmup=0)
+    base = prof.baseline_peak_bytes
+    floor = remat.plan(prof, 0.99).min_peak_bytes
+    units = f"{len(prof.blocks)} unit{'s' if len(prof.blocks) > 1 else ''}"
+    print(f"| {name} ({units}) | 1.000 | peak without checkpointing {base / 2**20:.1f} MiB | | | | |")
+    held = []
+    for fraction in (0.8, (floor * 1.01 + 1) / base):
+        line, ok = _row(name, model, batch, fraction, base, floor)
+        print(line, flush=True)
+        held.append(ok)
+    return held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"architectures (default: all of {', '.join(ARCHITECTURES)})")
+    parser.add_argument("--layers", type=int, default=4, help="layers per stack (default 4)")
+    _sections.add_write_option(parser)
+    args = parser.parse_args()
+    unknown = sorted(set(args.names) - set(ARCHITECTURES))
+    if unknown:
+        parser.error(f"no architecture {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}")
+    warnings.simplefilter("ignore")  # transformers' notes on tiny configs
+    logging.disable(logging.WARNING)
+    torch.use_deterministic_algorithms(True)
+    names = args.names or list(ARCHITECTURES)
+    with _sections.recorded(__file__, "remat.auto across transformers architectures", write_to=args.write):
+        print(f"{len(names)} architectures, {args.layers} layers per stack, batch {BATCH} x {SEQ} tokens.")
+        print("Budgets and peaks are fractions of the peak without checkpointing.\n")
+        print("| architecture | budget | plan | predicted | measured | step bit-equal | restored (auto's time) |")
+        print("|---|---|---|---|---|---|---|")
+        held = [ok for name in names for ok in _architecture(name, args.layers)]
+        print(f"\n{sum(held)} of {len(held)} budgets held every check (a refusal below the floor counts as held).")
+
+
+if __name__ == "__main__":
+    main()

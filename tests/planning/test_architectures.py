@@ -1,0 +1,49 @@
+"""remat.auto on transformers architectures the family tests do not build, through ``benchmarks/architectures.py``
+(imported from there, so the test and the benchmark build the same models and run the same checks).
+
+ALBERT (its units come from the execution: one layer group called at every layer), wav2vec2 (SpecAugment
+draws its masks from NumPy's generator, LayerDrop from torch's: at its floor it once got a verified nested
+plan whose segments ran the layers LayerDrop skipped, NOTE [LayerDrop and nested segments]) and Whisper
+(encoder and decoder stacks, audio features): at 0.8 of the peak without checkpointing and at the
+floor + 1%, the plan auto applies measures within its budget, its step is bit-equal to an untouched
+copy's, and ``remat.remove`` leaves the parameters and the module tree as they were. The benchmark
+runs every architecture it has.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "architectures.py"
+
+
+def _load_benchmark():
+    sys.path.insert(0, str(_BENCH.parent))  # for its _sections
+    spec = importlib.util.spec_from_file_location("_remat_bench_architectures", _BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+architectures = _load_benchmark()
+
+
+@pytest.mark.parametrize("name", ["albert", "wav2vec2", "whisper"])
+def test_auto_holds_its_budget_and_the_step_on_the_architecture(name, capsys):
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        held = architectures._architecture(name, 4)  # 4 layers: wav2vec2 once got a nested plan that skipped no layer
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    rows = capsys.readouterr().out
+    assert len(held) == 2 and all(held), rows
+    assert "refused" not in rows.splitlines()[-1], rows  # the floor + 1% is always planned
