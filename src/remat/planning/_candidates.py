@@ -149,7 +149,8 @@ class Candidates:
             why = (
                 "(a segment of the traced forward does more than pass its output on: it writes a buffer, say)"
                 if traced
-                else "(the parent does more between the blocks than pass each output on)"
+                else "(the parent does more between the blocks than pass each output on: it draws random numbers "
+                "there, which a segment runs after its blocks' draws, say)"
             )
             return self._one_level(
                 plan,
