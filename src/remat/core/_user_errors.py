@@ -36,6 +36,12 @@ def _innermost_module(model: nn.Module, tb: TracebackType | None) -> str | None:
     return found
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of what ``exc`` says, for a message that goes on after it ("no message" if it says nothing)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
 def where_raised(model: nn.Module, exc: BaseException, blocks: Iterable[str] = ()) -> str:
     """`` in block 'b' (module 'b.m')``, `` in module 'm'``, `` in Model.forward`` or ``""`` (outside the model: the
     loss, say)."""
@@ -61,7 +67,7 @@ def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = 
     except RematError:
         raise
     except torch.OutOfMemoryError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        reason = first_line(exc)
         raise OutOfMemory(
             f"{api}: {step} ran out of device memory ({reason}). The model was restored. To plan for the memory you "
             "have, call remat.auto(model, inputs, budget), which profiles on fake tensors when the step without "

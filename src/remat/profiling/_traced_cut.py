@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from remat.core._user_errors import first_line
 from remat.errors import RematError
 from remat.profiling._traced_reads import WatchedReads, plain_attributes, put_back_attributes, reads_recorded
 
@@ -59,13 +60,13 @@ def _trace(
         raise
     except fx.proxy.TraceError as exc:
         raise TracedError(
-            f"its forward has data-dependent control flow (torch.fx: {_first_line(exc)}); "
+            f"its forward has data-dependent control flow (torch.fx: {first_line(exc)}); "
             "an `if` or loop on a tensor's value cannot be traced (torch.where or torch.cond can "
             "express it)"
         ) from exc
     except Exception as exc:  # whatever fx cannot run is the reason to tell
         raise TracedError(
-            f"torch.fx cannot trace its forward ({type(exc).__name__}: {_first_line(exc)}); "
+            f"torch.fx cannot trace its forward ({type(exc).__name__}: {first_line(exc)}); "
             "an untraceable op or Python on tensor values"
         ) from exc
     finally:
@@ -225,11 +226,6 @@ def _traced_with_buffers(model: nn.Module, reads: dict[tuple[nn.Module, str], An
 
 def _dotted(key: tuple[str, str]) -> str:
     return f"{key[0]}.{key[1]}" if key[0] else key[1]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 def _is_value(node: fx.Node) -> bool:

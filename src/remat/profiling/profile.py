@@ -17,7 +17,7 @@ from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
 from remat.core._policy_registry import FULL, KEEP, POLICIES
 from remat.core._state import restoring
-from remat.core._user_errors import check_devices, model_errors, require_module, where_raised
+from remat.core._user_errors import check_devices, first_line, model_errors, require_module, where_raised
 from remat.errors import OutOfMemory, RandomBranchWarning, RematError
 from remat.profiling._types import Profile
 
@@ -183,7 +183,7 @@ def _units_from_the_execution(
     except RematError:
         raise
     except Exception as exc:  # fake tensors' refusal or the model's own error: the traced cut may still run
-        told = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else "no message"
+        told = first_line(exc).rstrip(".")
         where = where_raised(model, exc)
         return names, f" ({_LOOKING}, on fake tensors, raised {type(exc).__name__}{where}: {told})"
     inside = all(any(n.startswith(unit + ".") for unit in called) for n in names)
