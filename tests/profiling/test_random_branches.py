@@ -290,8 +290,9 @@ def test_a_layerdrop_model_is_not_cut_along_a_trace_which_would_fix_one_draw():
     traced = _floor_plan(remat.profile(_LayerDropLoop(0.0).train(), x, repeat=1, warmup=0))
     assert is_traced_plan(traced.assignment) and traced.checkpointed
     model = _LayerDropLoop(0.5).train()
-    with pytest.raises(remat.RematError, match=r"LayerDrop: _LayerDropLoop.layerdrop = 0.5.*not cut along a trace"):
+    with pytest.raises(remat.RematError, match=r"LayerDrop: _LayerDropLoop.layerdrop = 0.5.*not cut along") as e:
         remat.profile(model, x, repeat=1, warmup=0)
+    assert "no submodule" in str(e.value) and "Pass blocks" not in str(e.value)  # it has none to name
     with pytest.raises(remat.RematError, match=r"LayerDrop: _LayerDropLoop.layerdrop = 0.5.*one draw's path"):
         remat.apply(model, traced)
     assert not list(model.children()) and "forward" not in model.__dict__ and model.layerdrop == 0.5

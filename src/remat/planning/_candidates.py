@@ -37,6 +37,8 @@ class Findings:
 
     nested: bool = True
     """False once nested segments were found not to run, or not to compute the same, on this model."""
+    one_level_because: str = ""
+    """Why, once ``nested`` is False: the note that says so, for an error that follows it."""
     reference: Fingerprint | None = None
     """The step without checkpointing, summarised (NOTE [A verified plan trains the same function])."""
     notes: list[str] = field(default_factory=list)
@@ -191,7 +193,7 @@ class Candidates:
         return None
 
     def _one_level(self, plan: Plan, note: str) -> tuple[Plan, int | None]:
-        self.findings.nested = False
+        self.findings.nested, self.findings.one_level_because = False, note
         self.findings.notes.append(note)
         log.info("remat.auto: %s", note)
         try:

@@ -16,7 +16,7 @@ from remat.core._hf import every_layer_runs
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
 from remat.core._memtrack import empty_device_cache
 from remat.core._state import capture, restoring
-from remat.core._user_errors import model_errors
+from remat.core._user_errors import first_line, model_errors
 from remat.core.measure import compiled_peak, device_of, measure_peak
 from remat.errors import OutOfMemory as TheStepRanOut
 from remat.errors import RematError
@@ -78,8 +78,7 @@ def measured_step(
 
 def out_of_memory_reason(exc: BaseException) -> str:
     """The first line of what the device said when it ran out (under remat's own telling of it)."""
-    said = str(exc.__cause__ if isinstance(exc, TheStepRanOut) and exc.__cause__ is not None else exc).strip()
-    return said.splitlines()[0] if said else "no message"
+    return first_line(exc.__cause__ if isinstance(exc, TheStepRanOut) and exc.__cause__ is not None else exc)
 
 
 def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str | None, loop: Loop) -> Step:

@@ -175,12 +175,22 @@ def _auto(
                 prof = _profile(model, inputs, loss_fn, budget, fit, finer)
             chosen = _plan_and_put(model, inputs, loss_fn, prof, budget, backend, verify, loop, findings, capacity)
             chosen = noted_finer(chosen, prof.policies, how)
+    except Unreachable as err:
+        remove(model)
+        raise _said_why_one_level(err, findings) from err.__cause__
     except BaseException:  # an interrupt too: nothing of the plan stays on the model
         remove(model)
         raise
     if not chosen.checkpointed:
         restore_cache(model)
     return _noted(chosen, room, fits_the_gpu)
+
+
+def _said_why_one_level(err: Unreachable, findings: Findings) -> Unreachable:
+    """``err``, saying why nested plans were left out if they were and it does not say so: a budget that only
+    they reach fails for that reason, which the error of a later, finer try would leave unsaid."""
+    why = findings.one_level_because
+    return err if not why or why.lower() in str(err).lower() else Unreachable(f"{err} {why}")
 
 
 def _noted(chosen: Plan, room: Room | None, fits_the_gpu: bool) -> Plan:

@@ -39,12 +39,14 @@ from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._state import capture, host_rng, restoring, set_host_rng
 from remat.core._step import call_model
 from remat.core._typing import Inputs
+from remat.core._user_errors import first_line, model_errors, where_raised
+from remat.errors import RematError
 from remat.profiling._blocks import is_leaf
 from remat.profiling._fake import FakeWeights, fake_inputs
 from remat.profiling._random_branches import HOST_RUNS, RandomBranches, branches, weight_storages
 from remat.profiling._shadow import ValueShadows
 
-__all__ = ["called_more_than_once", "random_branches"]
+__all__ = ["called_more_than_once", "random_branches", "units_from_the_execution"]
 
 
 def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | None, real: bool = False) -> list[str]:
@@ -73,6 +75,33 @@ def called_more_than_once(model: nn.Module, inputs: Inputs, *, training: bool | 
             hook.remove()
     repeated = [n for n in names.values() if counts[n] >= 2]
     return [n for n in repeated if not any(n.startswith(outer + ".") for outer in repeated)]
+
+
+def units_from_the_execution(
+    model: Any, inputs: Any, names: list[str], training: bool | None, *, real: bool
+) -> tuple[list[str], str]:
+    """The modules the forward calls more than once, where the tree gave no units or only single layers that all
+    sit inside them (a looped cell's own layers); else ``names`` (NOTE [Units from the execution]). With what a
+    forward on fake tensors raised, for a message ("" if it ran); one on real tensors raises a RematError."""
+    modules = dict(model.named_modules())
+    if not all(is_leaf(modules[n]) for n in names):
+        return names, ""  # units with layers of their own: the tree's levels stand
+    if not all("." in n for n in names):
+        return names, ""  # a layer of the model itself sits inside no module but the model: nothing to run
+    try:
+        with model_errors(model, "remat.profile", _LOOKING) if real else contextlib.nullcontext():
+            called = called_more_than_once(model, inputs, training=training, real=real)
+    except RematError:
+        raise
+    except Exception as exc:  # fake tensors' refusal or the model's own error: the traced cut may still run
+        told = first_line(exc).rstrip(".")
+        where = where_raised(model, exc)
+        return names, f" ({_LOOKING}, on fake tensors, raised {type(exc).__name__}{where}: {told})"
+    inside = all(any(n.startswith(unit + ".") for unit in called) for n in names)
+    return (called if called and inside else names), ""
+
+
+_LOOKING = "a forward without gradients that finds the modules it calls more than once"
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
 from remat.core._policy_registry import FULL, KEEP, POLICIES
 from remat.core._state import restoring
-from remat.core._user_errors import check_devices, first_line, model_errors, require_module, where_raised
+from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import OutOfMemory, RandomBranchWarning, RematError
 from remat.profiling._types import Profile
 
@@ -119,16 +119,22 @@ def _profile_units(
     """The profile of ``names``, of units from the execution or of the traced forward's segments (not for a model
     with LayerDrop on, ``skips``: a trace fixes one draw's path, NOTE [LayerDrop and nested segments])."""
     from remat.profiling._blocks import suggest_blocks
+    from remat.profiling._called import units_from_the_execution
 
     failed = ""
     if blocks in (None, "auto", "coarse", "fine"):  # NOTE [Units from the execution]
-        names, failed = _units_from_the_execution(model, inputs, names, options["training"], real=not options["fake"])
+        names, failed = units_from_the_execution(model, inputs, names, options["training"], real=not options["fake"])
     if not names and skips:
+        hint = suggest_blocks(model)
+        fix = (
+            f"Pass blocks=[...] with the module names to consider{hint}, or set LayerDrop to 0"
+            if hint
+            else "It has no submodule with layers of its own to name as blocks: set LayerDrop to 0"
+        )
         raise RematError(
             f"remat.profile: found no blocks in {type(model).__name__} (no container with repeated children), and "
             f"it skips layers at random (LayerDrop: {', '.join(skips)}), so its forward is not cut along a trace, "
-            "which would fix one draw's path. Pass blocks=[...] with the module names to consider"
-            f"{suggest_blocks(model) + failed}, or set LayerDrop to 0."
+            f"which would fix one draw's path{failed}. {fix}."
         )
     if not names:  # NOTE [Cutting a traced forward]: its segments are the blocks while this profile runs
         return _traced_profile(model, inputs, loss_fn, options, suggest_blocks(model) + failed)
@@ -161,36 +167,6 @@ def _with_random_branches(prof: Profile, model: Any, inputs: Any, options: dict)
         prof.notes.append(note)
         warnings.warn(f"remat.profile: {note}", RandomBranchWarning, stacklevel=3)
     return prof
-
-
-def _units_from_the_execution(
-    model: Any, inputs: Any, names: list[str], training: bool | None, *, real: bool
-) -> tuple[list[str], str]:
-    """The modules the forward calls more than once, where the tree gave no units or only single layers that all
-    sit inside them (a looped cell's own layers); else ``names`` (NOTE [Units from the execution]). With what a
-    forward on fake tensors raised, for a message ("" if it ran); one on real tensors raises a RematError."""
-    from remat.profiling._blocks import is_leaf
-    from remat.profiling._called import called_more_than_once
-
-    modules = dict(model.named_modules())
-    if not all(is_leaf(modules[n]) for n in names):
-        return names, ""  # units with layers of their own: the tree's levels stand
-    if not all("." in n for n in names):
-        return names, ""  # a layer of the model itself sits inside no module but the model: nothing to run
-    try:
-        with model_errors(model, "remat.profile", _LOOKING) if real else contextlib.nullcontext():
-            called = called_more_than_once(model, inputs, training=training, real=real)
-    except RematError:
-        raise
-    except Exception as exc:  # fake tensors' refusal or the model's own error: the traced cut may still run
-        told = first_line(exc).rstrip(".")
-        where = where_raised(model, exc)
-        return names, f" ({_LOOKING}, on fake tensors, raised {type(exc).__name__}{where}: {told})"
-    inside = all(any(n.startswith(unit + ".") for unit in called) for n in names)
-    return (called if called and inside else names), ""
-
-
-_LOOKING = "a forward without gradients that finds the modules it calls more than once"
 
 
 # NOTE [Units that free little]
