@@ -2,7 +2,7 @@
 chosen automatically under a memory budget, and measured honestly."""
 
 from remat import distributed
-from remat.core._region import is_recomputing
+from remat.core._recomputing import is_recomputing
 from remat.core.checkpoint import POLICIES, SAVE_OPS, checkpoint, is_wrapped, unwrap, wrap
 from remat.core.measure import Measurement, measure
 from remat.diagnosis.doctor import DoctorReport, Finding, doctor

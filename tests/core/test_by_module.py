@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat import zoo
 from remat.core._memo import STRUCTURES
-from remat.core._region import recompute_observer
+from remat.core._recomputing import recompute_observer
 
 pytest.importorskip("transformers")
 aten = torch.ops.aten

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.core._region import recompute_observer
+from remat.core._recomputing import recompute_observer
 from remat.core._timing import extra_time, forward_slowdown
 
 

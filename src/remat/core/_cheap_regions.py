@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.core._region import _bookkeeping, observed_recomputation
+from remat.core._recomputing import bookkeeping, observed_recomputation
 from remat.core._writes import storage_key
 
 Writes = tuple[tuple[weakref.ref, str], ...]
@@ -232,7 +232,7 @@ def _autocast_state(tensors: list[torch.Tensor]) -> tuple[str, torch.dtype] | No
 
 def _buffers_before(writes: Writes) -> list[tuple[nn.Module, str, torch.Tensor]]:
     out = []
-    with torch.no_grad(), _bookkeeping():
+    with torch.no_grad(), bookkeeping():
         for ref, name in writes:
             module = ref()
             if module is not None and module._buffers.get(name) is not None:

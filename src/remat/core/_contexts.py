@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from remat.core._region import REGION_BUFFER_MODULES, Learned, Region, _bookkeeping, observed_recomputation
+from remat.core._recomputing import bookkeeping, observed_recomputation
+from remat.core._region import REGION_BUFFER_MODULES, Learned, Region
 from remat.core._rng import POLICY_AFTER_OP, SAVE_DECISIONS, ReplayContext, RngLedger
 from remat.core._torch_options import CallOptions, route_saved_tensors_hooks
 from remat.core._writes import storage_key, writes_in_place, written_tensors
@@ -124,7 +125,7 @@ class _EveryBufferCopied:
         for name, buf in module._buffers.items():
             if buf is not None:
                 start = self.region.before.get(storage_key(buf), buf)
-                with torch.no_grad(), _bookkeeping():
+                with torch.no_grad(), bookkeeping():
                     module._buffers[name] = start.detach().clone().requires_grad_(buf.requires_grad)
                 self.swapped.append((module, name, buf))
 

@@ -51,9 +51,8 @@ calls, is the one case this does not watch.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,79 +61,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.core import _nested_writes as nested_writes
-from remat.core._timing import WallClock
+from remat.core._recomputing import bookkeeping, is_recomputing
 from remat.core._writes import storage_key
-
-_local = threading.local()
 
 #: A module's ``__dict__`` entry naming other modules whose buffers its forward reads without calling them (a traced
 #: segment's inlined code: NOTE [Buffers a segment reads] in remat.profiling._traced); watched like its own.
 REGION_BUFFER_MODULES = "_remat_buffer_modules"
-
-
-def is_recomputing() -> bool:
-    """True while remat is rerunning a checkpointed function in backward.
-
-    Guard side effects that must happen once per step (counters, logging, caches)
-    with ``if not remat.is_recomputing(): ...``.
-    """
-    return getattr(_local, "recomputing", 0) > 0
-
-
-def in_bookkeeping() -> bool:
-    """True while remat copies a buffer or input for itself (not an op of the user's model)."""
-    return getattr(_local, "bookkeeping", 0) > 0
-
-
-@contextlib.contextmanager
-def _bookkeeping() -> Iterator[None]:
-    # The profiler tells the model's own storages from remat's copies by this flag (NOTE [Storages
-    # across blocks] in remat.profiling._crossing): a copy exists only in checkpointed runs.
-    _local.bookkeeping = getattr(_local, "bookkeeping", 0) + 1
-    try:
-        yield
-    finally:
-        _local.bookkeeping -= 1
-
-
-_observer: list[tuple[Callable[[Any, Any], None], Any, Any]] = []
-"""The profiler's recompute observer. Process-wide, not per thread: on CUDA autograd runs
-backward, and so every recomputation, on a device thread of its own, which a thread-local
-observer set by the profiling thread would never reach (recompute time read as 0)."""
-
-
-@contextlib.contextmanager
-def recompute_observer(
-    callback: Callable[[Any, Any], None], clock: Any = None, on_start: Callable[[nn.Module | None], None] | None = None
-) -> Iterator[None]:
-    """Call ``on_start(module)`` before and ``callback(start, end)`` after every outermost recomputation, on
-    any thread (profiling); ``module`` is the one whose forward is recomputed (None for a function).
-
-    ``start`` and ``end`` are ``clock.mark()`` values (``remat.core._timing``; host seconds by default).
-    """
-    _observer.append((callback, clock if clock is not None else WallClock(), on_start))
-    try:
-        yield
-    finally:
-        _observer.pop()
-
-
-@contextlib.contextmanager
-def observed_recomputation(owner: nn.Module | None) -> Iterator[None]:
-    """One recomputation of ``owner``'s forward: ``is_recomputing()`` inside, told to the observer when
-    outermost (a region inside another's recomputation is in the outer's time)."""
-    depth = getattr(_local, "recomputing", 0)
-    _local.recomputing = depth + 1
-    observer = _observer[-1] if depth == 0 and _observer else None
-    if observer is not None and observer[2] is not None:
-        observer[2](owner)
-    start = observer[1].mark() if observer is not None else None
-    try:
-        yield
-    finally:
-        _local.recomputing -= 1
-        if observer is not None:
-            observer[0](start, observer[1].mark())
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor, *, expected: bool) -> bool:
@@ -273,7 +205,7 @@ class Region:
     def note_write(self, t: torch.Tensor) -> None:
         key = storage_key(t)
         if key in self.watched and key not in self.before:
-            with torch.no_grad(), _bookkeeping():
+            with torch.no_grad(), bookkeeping():
                 self.before[key] = self.watched[key].detach().clone()
 
     def finish_forward(self) -> Learned | None:
@@ -381,7 +313,7 @@ class Region:
             if key in self.before:
                 self._fresh[key] = self._copy_before(key, t.requires_grad)
             else:
-                with _bookkeeping():
+                with bookkeeping():
                     self._fresh[key] = t.clone()
 
     def end_recompute(self) -> None:

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
-from remat.core._region import REGION_BUFFER_MODULES, SNAPSHOT_BYTES, in_bookkeeping, recompute_observer
+from remat.core._recomputing import in_bookkeeping, recompute_observer
+from remat.core._region import REGION_BUFFER_MODULES, SNAPSHOT_BYTES
 from remat.core._timing import WallClock
 from remat.core._writes import written_tensors
 from remat.core.checkpoint import SAVE_OPS
