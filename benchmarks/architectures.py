@@ -1,19 +1,20 @@
-"""remat.auto across transformers architectures: the budget held, the step bit for bit, the model restored.
+"""remat.auto across transformers and diffusers architectures: the budget held, the step bit for bit, restored.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py            # every architecture
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py llama t5   # some
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py --write    # into BENCHMARKS.md
 
-Each architecture is built from a tiny config with random weights (nothing is downloaded) with
-``--layers`` layers, in training mode (dropout as its config sets it), fed a batch with labels so
-that ``output.loss`` is the loss; remat finds the blocks (``blocks=None``). One profile gives the
-peak without checkpointing and the lowest peak any plan reaches (the floor); then ``remat.auto``
-(verify on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies and nested
-segments, predicted and measured peaks (``remat.measure``), and whether the step with the plan
-(loss, every gradient, every buffer) equals a step of an untouched copy of the model, compared
-here with ``torch.equal`` (torch's, NumPy's and Python's generators seeded alike: wav2vec2 masks
-with NumPy); then ``remat.remove`` must leave the parameters and the module tree as they were.
-A refusal (a budget below the floor) is a row too, with auto's reason.
+Each architecture is built from a tiny config with random weights (nothing is downloaded) with ``--layers``
+layers, in training mode (dropout as its config sets it), fed a batch with labels so that ``output.loss`` is
+the loss (diffusers models: the mean squared error of ``output.sample`` from a fixed target of the whole
+batch, as a denoising or reconstruction loss is); remat finds the blocks (``blocks=None``). One profile gives
+the peak without checkpointing and the lowest peak any plan reaches (the floor); then ``remat.auto`` (verify
+on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies and nested segments, predicted
+and measured peaks (``remat.measure``), and whether the step with the plan (loss, every gradient, every
+buffer) equals a step of an untouched copy of the model, compared here with ``torch.equal`` (torch's, NumPy's
+and Python's generators seeded alike: wav2vec2 masks with NumPy); then ``remat.remove`` must leave the
+parameters and the module tree as they were. A refusal (a budget below the floor) is a row too, with auto's
+reason.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from torch import nn
 import remat
 
 BATCH, SEQ, VOCAB = 4, 128, 256
-Built = tuple[nn.Module, dict[str, torch.Tensor]]
+Built = tuple[nn.Module, dict[str, Any]]
+Loss = Callable[[Any], torch.Tensor] | None
+"""A builder's loss of the model's output; None: ``output.loss`` (transformers models given labels)."""
 
 
 def _ids(seed: int = 1, vocab: int = VOCAB, seq: int = SEQ) -> torch.Tensor:
@@ -148,8 +151,176 @@ def _wav2vec2(layers: int) -> Built:
     return transformers.Wav2Vec2ForCTC(config), {"input_values": wave, "labels": labels}
 
 
+# diffusers models return ``output.sample``: the loss is its mean squared error from a fixed target, as a
+# denoising step's is. Sizes are tiny; ``layers`` sets the transformers' depth (the U-Nets' is their config's).
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _mse_from(target: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    return lambda output: (output.sample.float() - target).square().mean()
+
+
+_STEPS = torch.tensor([3, 7, 11, 500])
+
+
+def _unet2d_condition(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=2,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+    batch = {
+        "sample": torch.randn(BATCH, 4, 16, 16, generator=_gen(1)),
+        "timestep": _STEPS,
+        "encoder_hidden_states": torch.randn(BATCH, 8, 32, generator=_gen(2)),
+    }
+    return model, batch, _mse_from(torch.randn(BATCH, 4, 16, 16, generator=_gen(3)))
+
+
+def _unet2d(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=2,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+        dropout=0.1,
+    )
+    batch = {"sample": torch.randn(BATCH, 3, 16, 16, generator=_gen(1)), "timestep": _STEPS}
+    return model, batch, _mse_from(torch.randn(BATCH, 3, 16, 16, generator=_gen(3)))
+
+
+def _autoencoder_kl(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    images = torch.randn(BATCH, 3, 32, 32, generator=_gen(1))
+    return model, {"sample": images}, _mse_from(images)
+
+
+def _dit(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        num_layers=layers,
+        sample_size=16,
+        patch_size=2,
+        num_embeds_ada_norm=1000,
+        dropout=0.1,
+    )
+    batch = {
+        "hidden_states": torch.randn(BATCH, 4, 16, 16, generator=_gen(1)),
+        "timestep": _STEPS,
+        "class_labels": torch.tensor([1, 2, 3, 4]),
+    }
+    return model, batch, _mse_from(torch.randn(BATCH, 4, 16, 16, generator=_gen(3)))
+
+
+def _pixart(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.PixArtTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=layers,
+        cross_attention_dim=64,
+        sample_size=16,
+        patch_size=2,
+        caption_channels=32,
+        dropout=0.1,
+    )
+    batch = {
+        "hidden_states": torch.randn(BATCH, 4, 16, 16, generator=_gen(1)),
+        "encoder_hidden_states": torch.randn(BATCH, 8, 32, generator=_gen(2)),
+        "timestep": _STEPS,
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+    }
+    return model, batch, _mse_from(torch.randn(BATCH, 8, 16, 16, generator=_gen(3)))
+
+
+def _sd3(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=layers,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=64,
+        pooled_projection_dim=32,
+        out_channels=4,
+        pos_embed_max_size=32,
+    )
+    batch = {
+        "hidden_states": torch.randn(BATCH, 4, 16, 16, generator=_gen(1)),
+        "encoder_hidden_states": torch.randn(BATCH, 8, 32, generator=_gen(2)),
+        "pooled_projections": torch.randn(BATCH, 32, generator=_gen(4)),
+        "timestep": _STEPS,
+    }
+    return model, batch, _mse_from(torch.randn(BATCH, 4, 16, 16, generator=_gen(3)))
+
+
+def _flux(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    import diffusers
+
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=layers // 2,
+        num_single_layers=layers - layers // 2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+    image, text = 64, 8
+    batch = {
+        "hidden_states": torch.randn(BATCH, image, 16, generator=_gen(1)),
+        "encoder_hidden_states": torch.randn(BATCH, text, 32, generator=_gen(2)),
+        "pooled_projections": torch.randn(BATCH, 32, generator=_gen(4)),
+        "timestep": torch.tensor([0.1, 0.3, 0.5, 0.9]),
+        "img_ids": torch.zeros(image, 3),
+        "txt_ids": torch.zeros(text, 3),
+    }
+    return model, batch, _mse_from(torch.randn(BATCH, image, 16, generator=_gen(3)))
+
+
 _KV = {"num_key_value_heads": 2}
-ARCHITECTURES: dict[str, Callable[[int], Built]] = {
+ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any], Loss]]] = {
     "gpt2": lambda n: _causal_lm("gpt2", n_embd=64, n_layer=n, n_head=4, n_positions=SEQ)(n),
     "llama": _causal_lm("llama", **_KV),
     "mistral": _causal_lm("mistral", **_KV, sliding_window=16),
@@ -197,16 +368,32 @@ ARCHITECTURES: dict[str, Callable[[int], Built]] = {
     "swin": _image("swin", embed_dim=16, depths=[2, 2], num_heads=[2, 4], image_size=32, patch_size=4, window_size=4),
     "convnext": _image("convnext", size=96, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1]),
     "resnet": _image("resnet", size=96, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], embedding_size=16),
+    "unet2d-condition": _unet2d_condition,
+    "unet2d": _unet2d,
+    "autoencoder-kl": _autoencoder_kl,
+    "dit": _dit,
+    "pixart": _pixart,
+    "sd3": _sd3,
+    "flux": _flux,
 }
 
 
-def _step(model: nn.Module, batch: dict[str, torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, dict, dict]:
+DIFFUSERS = ("unet2d-condition", "unet2d", "autoencoder-kl", "dit", "pixart", "sd3", "flux")
+
+
+def _build(name: str, layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    built = ARCHITECTURES[name](layers)
+    return built if len(built) == 3 else (*built, None)
+
+
+def _step(model: nn.Module, batch: dict[str, Any], loss_fn: Loss, seed: int = 7) -> tuple[torch.Tensor, dict, dict]:
     """Loss, gradients and buffers after one step from the same generator states."""
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
     model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
+    output = model(**batch)
+    loss = output.loss if loss_fn is None else loss_fn(output)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -227,21 +414,22 @@ def _plan_cell(plan: remat.Plan) -> str:
     return text + (f"; {len(plan.segments)} nested segment(s)" if plan.segments else "")
 
 
-def _row(name: str, model: nn.Module, batch: dict, fraction: float, base: int, floor: int) -> tuple[str, bool]:
+def _row(name: str, built: tuple[nn.Module, dict, Loss], fraction: float, base: int, floor: int) -> tuple[str, bool]:
     """One budget's row (its table line, whether every check held); the model is left without a plan."""
+    model, batch, loss_fn = built
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state, tree = {n: t.clone() for n, t in model.state_dict().items()}, str(model)
-    reference = _step(copy.deepcopy(model), batch)
+    reference = _step(copy.deepcopy(model), batch, loss_fn)
     start = time.perf_counter()
     try:
-        plan = remat.auto(model, batch, fraction, repeat=1, warmup=0)
+        plan = remat.auto(model, batch, fraction, loss_fn=loss_fn, repeat=1, warmup=0)
     except remat.RematError as err:
         below = "below the lowest peak" in str(err)
         reason = f"below the floor, {floor / base:.3f}" if below else str(err)[:120].replace("|", "/")
         return f"| {name} | {fraction:.3f} | refused: {reason} | | | | |", below
     seconds = time.perf_counter() - start
-    measured = remat.measure(model, batch, repeat=1, warmup=0).peak_bytes
-    differs = _differences(reference, _step(model, batch))
+    measured = remat.measure(model, batch, loss_fn, repeat=1, warmup=0).peak_bytes
+    differs = _differences(reference, _step(model, batch, loss_fn))
     remat.remove(model)
     moved = [n for n, p in model.named_parameters() if not torch.equal(p, params[n])]
     restored = not moved and str(model) == tree
@@ -258,16 +446,17 @@ def _row(name: str, model: nn.Module, batch: dict, fraction: float, base: int, f
 
 def _architecture(name: str, layers: int) -> list[bool]:
     torch.manual_seed(0)
-    model, batch = ARCHITECTURES[name](layers)
+    built = _build(name, layers)
+    model, batch, loss_fn = built
     model.train()
-    prof = remat.profile(model, batch, repeat=1, warmup=0)
+    prof = remat.profile(model, batch, loss_fn, repeat=1, warmup=0)
     base = prof.baseline_peak_bytes
     floor = remat.plan(prof, 0.99).min_peak_bytes
     units = f"{len(prof.blocks)} unit{'s' if len(prof.blocks) > 1 else ''}"
     print(f"| {name} ({units}) | 1.000 | peak without checkpointing {base / 2**20:.1f} MiB | | | | |")
     held = []
     for fraction in (0.8, (floor * 1.01 + 1) / base):
-        line, ok = _row(name, model, batch, fraction, base, floor)
+        line, ok = _row(name, built, fraction, base, floor)
         print(line, flush=True)
         held.append(ok)
     return held
@@ -286,8 +475,13 @@ def main() -> None:
     logging.disable(logging.WARNING)
     torch.use_deterministic_algorithms(True)
     names = args.names or list(ARCHITECTURES)
-    with _sections.recorded(__file__, "remat.auto across transformers architectures", write_to=args.write):
-        print(f"{len(names)} architectures, {args.layers} layers per stack, batch {BATCH} x {SEQ} tokens.")
+    with _sections.recorded(
+        __file__, "remat.auto across transformers and diffusers architectures", write_to=args.write
+    ):
+        print(
+            f"{len(names)} architectures, {args.layers} layers per stack, batch {BATCH} (x {SEQ} tokens for text; "
+            "diffusers' U-Nets and VAE at their configs' depth)."
+        )
         print("Budgets and peaks are fractions of the peak without checkpointing.\n")
         print("| architecture | budget | plan | predicted | measured | step bit-equal | restored (auto's time) |")
         print("|---|---|---|---|---|---|---|")

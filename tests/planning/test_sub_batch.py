@@ -3,6 +3,7 @@
 NOTE [A reference on a slice of the batch] in remat.planning._sub_batch.
 """
 
+import copy
 import logging
 
 import pytest
@@ -139,6 +140,47 @@ def test_a_slice_that_runs_out_is_halved(monkeypatch):
         assert any("on the first 31 of the batch's 64 samples" in n for n in plan.notes), plan.notes
     finally:
         remat.remove(model)
+
+
+def _loss_of_the_whole_batch(x):
+    """A loss that closes over a target of the whole batch (a VAE's reconstruction loss): it fails on a slice."""
+    target = torch.randn_like(x)
+    return lambda out: (out - target).square().mean()
+
+
+def test_a_loss_fn_of_the_whole_batch_is_compared_on_the_whole_batch():
+    # NOTE [A step that depends on the batch size]: the sliced reference raised a shape mismatch, and auto said
+    # the user's training step had failed.
+    model, x = _chain()
+    loss_fn = _loss_of_the_whole_batch(x)
+    nested, one_level = _floors(model, x)
+    budget = (nested + one_level) // 2
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref(x))
+    ref_loss.backward()
+    plan = remat.auto(model, x, budget, loss_fn=loss_fn, repeat=1, warmup=0)
+    try:
+        assert plan.segments and plan.measured_peak_bytes <= budget
+        assert any("on the whole batch, over the budget: the step on its first" in n for n in plan.notes), plan.notes
+        assert any(n.startswith("Verified:") and "on the first" not in n for n in plan.notes), plan.notes
+        loss = loss_fn(model(x))
+        loss.backward()
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    finally:
+        remat.remove(model)
+
+
+def test_a_loss_fn_of_the_whole_batch_on_a_device_only_nested_plans_fit_says_why_there_is_no_slice():
+    model, x = _chain()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nested, one_level = _floors(model, x)
+    budget = (nested + one_level) // 2
+    device = SimulatedDevice(budget, resting(model, x))
+    with device, pytest.raises(remat.RematError, match="ran out of device memory") as err:
+        remat.auto(model, x, budget, loss_fn=_loss_of_the_whole_batch(x), repeat=1, warmup=0)
+    assert "not on a slice: the step on its first" in str(err.value) and "batch size" in str(err.value)
+    assert device.refused and _untouched(model, before)
 
 
 def test_the_batch_is_the_first_dimension_every_input_shares():

@@ -15,6 +15,7 @@ from remat.core._fingerprint import Fingerprint
 from remat.core._loop import Loop
 from remat.core._policy_registry import KEEP
 from remat.core._segment import NotAChain
+from remat.core._user_errors import first_line
 from remat.core.measure import device_of
 from remat.errors import RematError
 from remat.planning._budget import Unreachable
@@ -45,6 +46,9 @@ class Findings:
     """What was found, for the plan's notes."""
     compared_with: str = "the step without checkpointing"
     """The step verified plans are compared with (NOTE [The step verified plans are compared with])."""
+    unsliced: str = ""
+    """Why the compared steps run on the whole batch where a slice was wanted ("" if they do not: NOTE [A step
+    that depends on the batch size])."""
     samples: tuple[int, int] | None = None
     """(the first samples of the batch the compared steps run on, the batch's samples); None: the whole batch
     (NOTE [A reference on a slice of the batch])."""
@@ -234,7 +238,8 @@ class Candidates:
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
             over = self._slice_for(keep.predicted_peak_bytes, self.limit)
         self.reference_plan = keep
-        step = self._reference_step(keep)
+        step, whole = self._reference_step(keep)
+        over = whole or over
         if below:
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
@@ -278,8 +283,11 @@ class Candidates:
     def _compare_on(self, b: int, batch: int) -> None:
         self.findings.samples, self.compared_on = (b, batch), sliced(self.inputs, b)
 
-    def _reference_step(self, keep: Plan) -> Step:
-        """The reference step; on a slice that runs out of memory, again on half the slice."""
+    def _reference_step(self, keep: Plan) -> tuple[Step, str]:
+        """The reference step; on a slice that runs out of memory, again on half the slice; on a slice the step
+        fails on, on the whole batch (NOTE [A step that depends on the batch size]), with what the note says of
+        that ("" where the slice ran)."""
+        whole = ""
         while True:
             try:
                 step = measured_step(self.model, self.compared_on, self.loss_fn, keep, None, self.loop)
@@ -289,9 +297,17 @@ class Candidates:
                 b, batch = self.findings.samples
                 self._compare_on(b // 2, batch)
                 continue
+            except RematError as err:
+                if self.findings.samples is None:
+                    raise
+                self.findings.unsliced = _not_on_a_slice(self.findings.samples[0], err)
+                self.findings.samples, self.compared_on = None, self.inputs
+                whole = f", on the whole batch, over the budget: {self.findings.unsliced}"
+                log.info("remat.auto: the reference step runs on the whole batch: %s", self.findings.unsliced)
+                continue
             if self.findings.samples is None:  # a slice's peak is not the plan's
                 self._tried(keep, step)
-            return step
+            return step, whole
 
     def _compared_summary(self, plan: Plan, summary: Fingerprint | None) -> Fingerprint | None:
         """What ``plan`` computed, on the inputs the reference ran on (a step of its own on a slice)."""
@@ -315,6 +331,23 @@ class Candidates:
             if note not in self.findings.notes:
                 self.findings.notes.append(note)
         return differ
+
+
+# NOTE [A step that depends on the batch size]
+# A slice of the batch (NOTE [A reference on a slice of the batch] in remat.planning._sub_batch) assumes the
+# step runs on any number of samples. A loss_fn that closes over a target of the whole batch does not (a
+# diffusers VAE's reconstruction loss, ``(output.sample - images).square().mean()``: the sliced step raised a
+# shape mismatch, and auto told the user their training step had failed). The step the user runs is the
+# whole batch's, so a reference that fails on the slice runs on the whole batch instead, over the budget, as
+# it did before slices: on a device the budget is the size of, that step may run out of memory, and auto's
+# error then says so. Every plan compared with it runs on the whole batch too.
+def _not_on_a_slice(b: int, err: RematError) -> str:
+    """Why a reference that failed on the first ``b`` samples runs on the whole batch."""
+    said = err.__cause__ if err.__cause__ is not None else err
+    return (
+        f"the step on its first {b} samples raised {type(said).__name__} ({first_line(said).rstrip('.')}), as a "
+        "forward or loss_fn that depends on the batch size does (a target of the whole batch, say)"
+    )
 
 
 def policies_of(plan: Plan) -> str:

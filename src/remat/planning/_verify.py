@@ -226,12 +226,14 @@ def _reference_first(candidates: Candidates, limit: int) -> None:
         if candidates.reference_plan is None:
             raise RuntimeError("reference() sets its plan before it runs a step") from None
         predicted = candidates.reference_plan.predicted_peak_bytes
-        samples = candidates.findings.samples
+        findings = candidates.findings
+        samples = findings.samples
         found = (
             f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
             f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)}"
             + ("" if samples is None else f" on the whole batch; it ran out on {samples[0]} sample(s) too")
             + ")"
+            + (f", on the whole batch, not on a slice: {unsliced}" if (unsliced := findings.unsliced) else "")
         )
         if predicted <= limit:  # the step fits the budget; what sat beside it did not
             raise Unreachable(_beside_the_step(limit, found, candidates)) from None
