@@ -14,8 +14,10 @@ then runs the reference over the budget as before. ``b`` scales the reference's 
 bytes above the step's fixed ones (parameters, buffers, inputs, gradients, optimizer state)
 linearly in the batch, with a tenth to spare; a reference that still runs out halves ``b``.
 A slice has at least ``MIN_SAMPLES`` (two): training-mode batch norm refuses one sample of a
-``(N, C)`` input, and one sample has no batch statistics to compare. Outside the guarantee,
-as everywhere: a forward whose code depends on the batch size.
+``(N, C)`` input, and one sample has no batch statistics to compare. A step that fails on the
+slice (a ``loss_fn`` with a target of the whole batch) is compared on the whole batch instead
+(NOTE [A step that depends on the batch size] in remat.planning._candidates); one that runs on it
+computes the reference and every plan compared with it on the same samples.
 """
 
 from __future__ import annotations
