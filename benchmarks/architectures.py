@@ -418,7 +418,7 @@ def _row(name: str, built: tuple[nn.Module, dict, Loss], fraction: float, base: 
     """One budget's row (its table line, whether every check held); the model is left without a plan."""
     model, batch, loss_fn = built
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state, tree = {n: t.clone() for n, t in model.state_dict().items()}, str(model)
+    state, tree = copy.deepcopy(model.state_dict()), str(model)  # with its metadata (torchvision's versions)
     reference = _step(copy.deepcopy(model), batch, loss_fn)
     start = time.perf_counter()
     try:
@@ -455,7 +455,7 @@ def _architecture(name: str, layers: int) -> list[bool]:
     units = f"{len(prof.blocks)} unit{'s' if len(prof.blocks) > 1 else ''}"
     print(f"| {name} ({units}) | 1.000 | peak without checkpointing {base / 2**20:.1f} MiB | | | | |")
     held = []
-    for fraction in (0.8, (floor * 1.01 + 1) / base):
+    for fraction in (0.8, min((floor * 1.01 + 1) / base, 1.0)):
         line, ok = _row(name, built, fraction, base, floor)
         print(line, flush=True)
         held.append(ok)

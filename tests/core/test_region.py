@@ -261,3 +261,72 @@ def test_an_input_written_after_the_call_is_still_refused():
     x.add_(1)
     with pytest.raises(remat.RecomputeError, match=r"modified in place after the call \(version 0 -> 1"):
         r.recompute_inputs()
+
+
+class _Dense(nn.Module):
+    """DenseNet's layer and block in short: each layer takes the list of every earlier output, and the block
+    appends the layer's output to that same list after the call (torchvision's ``_DenseBlock``)."""
+
+    def __init__(self, width=4, growth=4, layers=3, replace=False):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width + i * growth * (not replace), growth if not replace else width), nn.Tanh())
+            for i in range(layers)
+        )
+        self.replace = replace
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.layers:
+            out = layer(torch.cat(features, 1) if not self.replace else features[0])
+            if self.replace:
+                features[0] = out  # same shape: a recomputation from the list would silently read this
+            else:
+                features.append(out)
+        return torch.cat(features, 1).sum(1, keepdim=True)
+
+
+class _ListLayer(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, features):
+        self.recomputed = getattr(self, "recomputed", 0) + remat.is_recomputing()
+        return self.inner(torch.cat(features, 1) if len(features) > 1 else features[0])
+
+
+def _dense_pair(replace, policy):
+    torch.manual_seed(0)
+    ref = _Dense(replace=replace)
+    model = twin(ref)
+    for m in (ref, model):
+        m.layers = nn.ModuleList(_ListLayer(layer) for layer in m.layers)
+        m.forward = _list_forward.__get__(m)
+    for layer in model.layers:
+        remat.wrap(layer, policy=policy)
+    return ref, model
+
+
+def _list_forward(self, x):
+    features = [x]
+    for layer in self.layers:
+        out = layer(features)
+        if self.replace:
+            features[0] = out
+        else:
+            features.append(out)
+    return torch.cat(features, 1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "selective-ops"])
+@pytest.mark.parametrize("replace", [False, True], ids=["appended", "replaced"])
+def test_a_list_argument_changed_after_the_call_is_recomputed_as_the_call_saw_it(replace, policy):
+    # The recomputation reruns the call on the arguments as the forward was handed them: the caller's list,
+    # appended to or written after the call (DenseNet), is not what the forward saw. Appended, it failed on a
+    # shape; replaced with a tensor of the same shape, the gradients were silently another function's.
+    ref, model = _dense_pair(replace, policy)
+    x = torch.randn(5, 4, requires_grad=True)
+    _steps_match(ref, model, x, 2)
+    if policy == "full":  # the selective policies rerun only the cheap submodules inside, from their own inputs
+        assert all(layer.recomputed == 2 for layer in model.layers)

@@ -1,10 +1,13 @@
-"""Any shape gets a plan: flat chains, layer lists and U-Nets (NOTE [Units] in remat.profiling._blocks)."""
+"""Any shape gets a plan: flat chains, layer lists, DenseNet's lists and U-Nets (NOTE [Units] in
+remat.profiling._blocks)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from conftest import assert_buffers_equal, assert_grads_equal, twin
+from conftest import assert_buffers_equal, assert_grads_equal, measure_wrapped, twin
 from torch import nn
 
 import remat
@@ -49,6 +52,35 @@ def alternating():
     for _ in range(4):
         mods += [nn.Sequential(nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 32)]
     return nn.Sequential(*mods), torch.randn(BATCH, 32), None
+
+
+class DenseLayer(nn.Module):
+    """torchvision's ``_DenseLayer`` in short: called with the list of every earlier output."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(width), nn.Conv2d(width, 4, 3, padding=1)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.conv(torch.relu(self.norm(torch.cat(features, 1))))
+
+
+class DenseBlock(nn.Module):
+    """torchvision's ``_DenseBlock``: each layer's output appended to the list the layers were handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DenseLayer(4 + 4 * i) for i in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+def dense_block():
+    return DenseBlock(), torch.randn(8, 4, 16, 16), None
 
 
 def _sample(o):
@@ -98,6 +130,7 @@ MODELS = {
     "flat-conv": flat_conv_chain,
     "layer-list": layer_list,
     "alternating": alternating,
+    "dense-block": dense_block,
     "unet2d": unet2d,
     "unet2d-condition": unet2d_condition,
 }
@@ -151,7 +184,10 @@ def test_every_shape_gets_a_plan_that_holds_and_trains_the_same(name):
     finally:
         remat.remove(model)
     assert measured <= budget, (name, measured, budget, plan.summary())
-    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (name, plan.predicted_peak_bytes, measured)
+    # a dense block's features are held by every later layer: on the safe side by up to one feature map (NOTE
+    # [Storages across blocks] in remat.profiling._crossing); the test below holds for every plan
+    over = 0.035 if name == "dense-block" else 0.01
+    assert -0.01 * measured <= plan.predicted_peak_bytes - measured <= over * measured, (name, plan.summary(), measured)
     if name == "layer-list":  # its tanhs run in the parent: cut along the trace (NOTE [Units that free little])
         assert all(b.name.startswith("remat_traced.") for b in prof.blocks) and floor < prof.baseline_peak_bytes
     else:
@@ -162,7 +198,22 @@ def test_every_shape_gets_a_plan_that_holds_and_trains_the_same(name):
         assert plan.segments, plan.summary()  # runs of single layers as nested segments
 
 
-@pytest.mark.parametrize("name", ["flat-mlp", "flat-conv", "layer-list", "alternating"])
+def test_every_plan_of_a_dense_block_holds_its_predicted_peak():
+    # Each layer holds the list of every earlier output as the call saw it, not the caller's list that grows after
+    # (NOTE [Arguments as the call saw them] in remat.core._arguments): held, checkpointing the first layer alone
+    # peaked 9% over its prediction, five feature maps the layers after it appended.
+    torch.manual_seed(0)
+    model, x, _ = dense_block()
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    names = [b.name for b in prof.blocks]
+    for policies in itertools.product(["keep", "full"], repeat=len(names)):
+        assignment = dict(zip(names, policies))
+        measured = measure_wrapped(model, x, assignment).peak_bytes
+        predicted = prof.predict_peak(assignment)
+        assert measured <= predicted <= 1.035 * measured, (policies, predicted, measured)
+
+
+@pytest.mark.parametrize("name", ["flat-mlp", "flat-conv", "layer-list", "alternating", "dense-block"])
 def test_the_doctor_is_quiet_on_these_models_without_checkpointing(name):
     model, inputs, loss_fn = MODELS[name]()
     report = remat.doctor(model, inputs, loss_fn, measure_cost=False, warmup=0, repeat=1)

@@ -61,6 +61,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.core import _nested_writes as nested_writes
+from remat.core._arguments import collect_tensors, holds_containers
 from remat.core._recomputing import bookkeeping, is_recomputing
 from remat.core._writes import storage_key
 
@@ -80,26 +81,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, *, expected: bool) -> bool:
 
 #: Buffers up to this many bytes are copied on entering their module without a dispatch mode.
 SNAPSHOT_BYTES = 64 * 1024
-
-
-_SCALARS = (type(None), bool, int, float, str)
-
-
-def _collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
-    """The tensors in ``tree``: built-in containers walked directly (a pytree walk costs
-    tens of microseconds per block call), anything else through torch's pytree."""
-    kind = type(tree)
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif kind is tuple or kind is list:
-        for item in tree:
-            _collect_tensors(item, out)
-    elif kind is dict:
-        for item in tree.values():
-            _collect_tensors(item, out)
-    elif kind not in _SCALARS:
-        leaves, _ = torch.utils._pytree.tree_flatten(tree)
-        out.extend(t for t in leaves if isinstance(t, torch.Tensor))
 
 
 @dataclass(frozen=True)
@@ -137,6 +118,9 @@ class Region:
     ) -> None:
         self.args = args
         self.kwargs = kwargs
+        # NOTE [Arguments as the call saw them] in remat.core._arguments: the containers now, for recomputation
+        held = any(holds_containers(a) for a in args) or any(holds_containers(v) for v in kwargs.values())
+        self._as_called = torch.utils._pytree.tree_flatten((args, kwargs)) if held else None
         self.owner = owner
         """The module whose forward is checkpointed: its own hooks ran before the region began."""
         self.learned = learned
@@ -179,7 +163,7 @@ class Region:
     def input_tensors(self) -> list[torch.Tensor]:
         if self._inputs is None:  # found once per call: a block's kwargs are a tree (Hugging Face)
             self._inputs = []
-            _collect_tensors((self.args, self.kwargs), self._inputs)
+            collect_tensors((self.args, self.kwargs), self._inputs)
         return self._inputs
 
     # -- forward -------------------------------------------------------------
@@ -229,6 +213,8 @@ class Region:
         # Buffers that were only read need no copy: recompute may use them as they are.
         self.buffers = {k: v for k, v in self.buffers.items() if k in self.before}
         self.forward_done = True
+        if self._as_called is not None:  # the caller's own containers: held, they would keep what it adds later
+            self.args, self.kwargs = self._as_handed()
         if self.learned is not None:
             return None
         written = {(id(ref()), name) for owners in self.buffers.values() for ref, name in owners if ref() is not None}
@@ -257,10 +243,18 @@ class Region:
                 "on: run the step again."
             )
 
+    def _as_handed(self) -> tuple[tuple, dict]:
+        """The arguments to recompute from, in containers of their own as the call was handed them (NOTE
+        [Arguments as the call saw them] in remat.core._arguments)."""
+        if self._as_called is None:
+            return self.args, self.kwargs
+        return torch.utils._pytree.tree_unflatten(*self._as_called)
+
     # -- nested regions (NOTE [Regions inside regions] in remat.core.checkpoint) --
     def release_inputs(self) -> None:
         """Drop the references to the input tensors (torch holds them through the enclosing hooks)."""
-        leaves, self._spec = torch.utils._pytree.tree_flatten((self.args, self.kwargs))
+        leaves, self._spec = torch.utils._pytree.tree_flatten(self._as_handed())
+        self._as_called = None  # restore_inputs builds new containers from these leaves each time
         self._slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self._slot_keys = [storage_key(leaves[i]) for i in self._slots]
         for i, key in zip(self._slots, self._slot_keys):
@@ -328,7 +322,7 @@ class Region:
             and not self.before
             and all(self.version_then(t) is None for t in self.input_tensors())
         ):
-            return self.args, self.kwargs  # nothing to swap or refuse: no walk over the argument tree
+            return self._as_handed()  # nothing to swap or refuse: no walk over the argument tree
 
         def fresh(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -344,7 +338,7 @@ class Region:
                 raise nested_writes.written_error(t, then, t._version, handed=False)
             return t
 
-        return torch.utils._pytree.tree_map(fresh, (self.args, self.kwargs))
+        return torch.utils._pytree.tree_map(fresh, self._as_handed())
 
     def _handed_input(self, t: torch.Tensor, recorded: tuple[int, int], fresh_copies: dict) -> torch.Tensor:
         """What to recompute from for a tensor torch handed back from the outer recomputation's run of this call

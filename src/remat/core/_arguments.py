@@ -1,0 +1,53 @@
+"""The argument trees of checkpointed calls: their tensors, and whether the caller can change them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["collect_tensors", "holds_containers"]
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
+    """The tensors in ``tree``: built-in containers walked directly (a pytree walk costs
+    tens of microseconds per block call), anything else through torch's pytree."""
+    kind = type(tree)
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif kind is tuple or kind is list:
+        for item in tree:
+            collect_tensors(item, out)
+    elif kind is dict:
+        for item in tree.values():
+            collect_tensors(item, out)
+    elif kind not in _SCALARS:
+        leaves, _ = torch.utils._pytree.tree_flatten(tree)
+        out.extend(t for t in leaves if isinstance(t, torch.Tensor))
+
+
+# NOTE [Arguments as the call saw them]
+# A recomputation reruns the call on its arguments, and a caller may change a list or
+# dict it handed the call once the call returns: torchvision's DenseNet appends each
+# layer's output to the list every layer was handed. Rerun on the caller's list, a layer
+# saw more features than its forward had (a shape error: the profile refused DenseNet);
+# with an item replaced by a tensor of the same shape, it saw another input and the
+# gradients were silently another function's (torch's own checkpoint reruns on the
+# caller's containers too, and gives them). So a region keeps the containers of its
+# argument tree as the call was handed them, holding the same tensors (their writes
+# checked as before), and each recomputation gets containers of its own, since a
+# forward may append to its own argument too. Only a tree that holds a list, a dict or
+# another mutable pytree node pays the flatten.
+def holds_containers(tree: Any) -> bool:
+    """Whether an argument tree holds a list, a dict or another container that the caller may change after the
+    call (a tuple is walked: it cannot change)."""
+    kind = type(tree)
+    if isinstance(tree, torch.Tensor) or kind in _SCALARS:
+        return False
+    if kind is tuple:
+        return any(holds_containers(item) for item in tree)
+    if isinstance(tree, (list, dict)):
+        return True
+    return not isinstance(tree, tuple) and kind in torch.utils._pytree.SUPPORTED_NODES
