@@ -412,6 +412,39 @@ def test_nested_checkpoints_with_batchnorm():
     assert_buffers_equal(ref, model)
 
 
+class _SelfAttention(nn.Module):
+    """torchvision's ViT encoder block in short: ``nn.MultiheadAttention`` called with one tensor three times,
+    which takes another path (three projections, not one) when query, key and value are not the same object."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.same = []
+
+    def forward(self, q, k, v):
+        self.same.append(q is k and k is v)
+        return self.attention(q, k, v, need_weights=False)[0]
+
+
+def test_a_tensor_handed_twice_is_one_tensor_when_recomputed_inside_another_region():
+    # Inside another region a call's inputs go to torch one by one (NOTE [Regions inside regions]) and came back
+    # as three tensors: nn.MultiheadAttention recomputed along its other path, and torch refused the recomputed
+    # values' shapes (torchvision's ViT under full-fine, in remat.auto).
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), _SelfAttention(), nn.Tanh())
+    model = twin(ref)
+    x = torch.randn(3, 5, 16)
+
+    def outer(t):
+        h = model[0](t)
+        return model[2](remat.checkpoint(model[1], h, h, h))
+
+    step(ref, x, fn=lambda t: ref[2](ref[1](*(ref[0](t),) * 3)))
+    step(model, x, fn=lambda t: remat.checkpoint(outer, t))
+    assert_grads_equal(ref, model)
+    assert model[1].same == [True] * 3  # the forward, the outer recomputation, the inner one's
+
+
 def test_backward_twice_with_retain_graph():
     ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh())
     model = twin(ref)

@@ -251,15 +251,24 @@ class Region:
         return torch.utils._pytree.tree_unflatten(*self._as_called)
 
     # -- nested regions (NOTE [Regions inside regions] in remat.core.checkpoint) --
+    def handed_inputs(self) -> list[torch.Tensor]:
+        """The input tensors, each once (a call handed ``x, x, x`` gets back one tensor, not three: a module may
+        branch on ``query is key``, as ``nn.MultiheadAttention`` does)."""
+        return list({id(t): t for t in self.input_tensors()}.values())
+
     def release_inputs(self) -> None:
-        """Drop the references to the input tensors (torch holds them through the enclosing hooks)."""
+        """Drop the references to the input tensors (torch holds them through the enclosing hooks, as
+        :meth:`handed_inputs` listed them)."""
+        handed = self.handed_inputs()
+        at = {id(t): n for n, t in enumerate(handed)}
         leaves, self._spec = torch.utils._pytree.tree_flatten(self._as_handed())
         self._as_called = None  # restore_inputs builds new containers from these leaves each time
-        self._slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        self._slot_keys = [storage_key(leaves[i]) for i in self._slots]
-        for i, key in zip(self._slots, self._slot_keys):
+        self._slots = [(i, at[id(t)]) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self._slot_keys = [storage_key(t) for t in handed]
+        for key in self._slot_keys:
             if key not in self.before:
                 self.watched.pop(key, None)
+        for i, _ in self._slots:
             leaves[i] = None
         self._leaves = leaves
         self._inputs = None
@@ -270,8 +279,8 @@ class Region:
         if self._leaves is None:
             return
         leaves = list(self._leaves)
-        for i, t in zip(self._slots, tensors):
-            leaves[i] = t
+        for i, n in self._slots:
+            leaves[i] = tensors[n]
         # The outer recomputation's tensors, other storages than the forward's: the copies of what the forward
         # wrote are found by the slot's key in the forward (NOTE [What recomputation must not repeat]).
         self._forward_keys = {id(t): key for t, key in zip(tensors, self._slot_keys)}

@@ -180,7 +180,7 @@ def _run_checkpointed(
             run,
             region,
             *markers,
-            *(region.input_tensors() if nested else ()),
+            *(region.handed_inputs() if nested else ()),
             use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
             context_fn=context_fn,
