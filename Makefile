@@ -14,6 +14,8 @@ COMPAT_VENV := .venv-compat
 COMPAT_BIN := $(COMPAT_VENV)/bin
 COMPAT_TORCH ?= torch==2.14.1
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
+# torchvision's models (DenseNet's list arguments, ViT's attention) run in this lane only: its wheel pins torch
+COMPAT_EXTRAS ?= torchvision==0.29.1
 COMPAT_TESTS ?= tests/core tests/planning tests/profiling tests/diagnosis
 
 .PHONY: setup demo test test-fast test-compat lint bench clean
@@ -51,7 +53,7 @@ $(COMPAT_BIN)/remat: pyproject.toml
 	$(PY) -m venv $(COMPAT_VENV)
 	$(COMPAT_BIN)/pip install -q --upgrade pip
 	$(COMPAT_BIN)/pip install -q $(COMPAT_TORCH)
-	$(COMPAT_BIN)/pip install -q -e '.[test,models,plot]' $(COMPAT_TRANSFORMERS)
+	$(COMPAT_BIN)/pip install -q -e '.[test,models,plot]' $(COMPAT_TRANSFORMERS) $(COMPAT_EXTRAS)
 	touch $@
 
 test-compat: $(COMPAT_BIN)/remat

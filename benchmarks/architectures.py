@@ -1,4 +1,4 @@
-"""remat.auto across transformers and diffusers architectures: the budget held, the step bit for bit, restored.
+"""remat.auto across transformers, diffusers and torchvision architectures: the budget held, the step bit for bit.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py            # every architecture
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py llama t5   # some
@@ -7,7 +7,8 @@
 Each architecture is built from a tiny config with random weights (nothing is downloaded) with ``--layers``
 layers, in training mode (dropout as its config sets it), fed a batch with labels so that ``output.loss`` is
 the loss (diffusers models: the mean squared error of ``output.sample`` from a fixed target of the whole
-batch, as a denoising or reconstruction loss is); remat finds the blocks (``blocks=None``). One profile gives
+batch, as a denoising or reconstruction loss is; torchvision models, where it is installed: the cross-entropy of
+the logits with fixed labels); remat finds the blocks (``blocks=None``). One profile gives
 the peak without checkpointing and the lowest peak any plan reaches (the floor); then ``remat.auto`` (verify
 on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies and nested segments, predicted
 and measured peaks (``remat.measure``), and whether the step with the plan (loss, every gradient, every
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import logging
 import random
 import time
@@ -320,6 +322,34 @@ def _flux(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
 
 
 _KV = {"num_key_value_heads": 2}
+# torchvision models (in the compatibility lane's venv): images and class labels, the loss their cross-entropy.
+# DenseNet hands each layer the list of every earlier output and appends to it after the call (NOTE [Arguments as
+# the call saw them] in remat.core._arguments); ViT's nn.MultiheadAttention is called with one tensor three times.
+_LABELS = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(6))
+
+
+def _torchvision(make: Callable[[int], nn.Module]) -> Callable[[int], tuple[nn.Module, dict[str, Any], Loss]]:
+    def build(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+        images = torch.randn(BATCH, 3, 32, 32, generator=_gen(7))
+        return make(layers), {"x": images}, lambda logits: nn.functional.cross_entropy(logits, _LABELS)
+
+    return build
+
+
+def _densenet(layers: int) -> nn.Module:
+    import torchvision
+
+    config = {"growth_rate": 8, "block_config": (layers, layers), "num_init_features": 16, "bn_size": 2}
+    return torchvision.models.DenseNet(**config, drop_rate=0.1, num_classes=10)
+
+
+def _vit_torchvision(layers: int) -> nn.Module:
+    import torchvision
+
+    size = {"image_size": 32, "patch_size": 8, "hidden_dim": 64, "mlp_dim": 128, "num_heads": 4}
+    return torchvision.models.VisionTransformer(**size, num_layers=layers, dropout=0.1, num_classes=10)
+
+
 ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any], Loss]]] = {
     "gpt2": lambda n: _causal_lm("gpt2", n_embd=64, n_layer=n, n_head=4, n_positions=SEQ)(n),
     "llama": _causal_lm("llama", **_KV),
@@ -375,10 +405,13 @@ ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any]
     "pixart": _pixart,
     "sd3": _sd3,
     "flux": _flux,
+    "densenet": _torchvision(_densenet),
+    "vit-torchvision": _torchvision(_vit_torchvision),
 }
 
 
 DIFFUSERS = ("unet2d-condition", "unet2d", "autoencoder-kl", "dit", "pixart", "sd3", "flux")
+TORCHVISION = ("densenet", "vit-torchvision")
 
 
 def _build(name: str, layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
@@ -445,6 +478,9 @@ def _row(name: str, built: tuple[nn.Module, dict, Loss], fraction: float, base: 
 
 
 def _architecture(name: str, layers: int) -> list[bool]:
+    if name in TORCHVISION and importlib.util.find_spec("torchvision") is None:
+        print(f"| {name} | | not run: torchvision is not installed | | | | |")
+        return []
     torch.manual_seed(0)
     built = _build(name, layers)
     model, batch, loss_fn = built
