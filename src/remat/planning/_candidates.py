@@ -238,8 +238,9 @@ class Candidates:
             self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
             over = self._slice_for(keep.predicted_peak_bytes, self.limit)
         self.reference_plan = keep
-        step, whole = self._reference_step(keep)
-        over = whole or over
+        step = self._reference_step(keep)
+        if self.findings.unsliced:
+            over = f", on the whole batch, over the budget: {self.findings.unsliced}"
         if below:
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
@@ -283,11 +284,10 @@ class Candidates:
     def _compare_on(self, b: int, batch: int) -> None:
         self.findings.samples, self.compared_on = (b, batch), sliced(self.inputs, b)
 
-    def _reference_step(self, keep: Plan) -> tuple[Step, str]:
+    def _reference_step(self, keep: Plan) -> Step:
         """The reference step; on a slice that runs out of memory, again on half the slice; on a slice the step
-        fails on, on the whole batch (NOTE [A step that depends on the batch size]), with what the note says of
-        that ("" where the slice ran)."""
-        whole = ""
+        fails on, on the whole batch (NOTE [A step that depends on the batch size]; ``findings.unsliced`` says
+        why)."""
         while True:
             try:
                 step = measured_step(self.model, self.compared_on, self.loss_fn, keep, None, self.loop)
@@ -302,12 +302,11 @@ class Candidates:
                     raise
                 self.findings.unsliced = _not_on_a_slice(self.findings.samples[0], err)
                 self.findings.samples, self.compared_on = None, self.inputs
-                whole = f", on the whole batch, over the budget: {self.findings.unsliced}"
                 log.info("remat.auto: the reference step runs on the whole batch: %s", self.findings.unsliced)
                 continue
             if self.findings.samples is None:  # a slice's peak is not the plan's
                 self._tried(keep, step)
-            return step, whole
+            return step
 
     def _compared_summary(self, plan: Plan, summary: Fingerprint | None) -> Fingerprint | None:
         """What ``plan`` computed, on the inputs the reference ran on (a step of its own on a slice)."""
