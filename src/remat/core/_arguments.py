@@ -35,10 +35,13 @@ def collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
 # saw more features than its forward had (a shape error: the profile refused DenseNet);
 # with an item replaced by a tensor of the same shape, it saw another input and the
 # gradients were silently another function's (torch's own checkpoint reruns on the
-# caller's containers too, and gives them). So a region keeps the containers of its
-# argument tree as the call was handed them, holding the same tensors (their writes
-# checked as before), and each recomputation gets containers of its own, since a
-# forward may append to its own argument too. Only a tree that holds a list, a dict or
+# caller's containers too, and gives them). A forward may write its own argument list
+# as well: timm's HRNet stages set ``x[i] = branch(x[i])``, so a recomputation on that
+# list ran each branch on its own output (every gradient differed, no error). So a
+# region keeps the containers of its argument tree as the call was handed them,
+# holding the same tensors (their writes checked as before), lets the caller's go
+# after the forward (held, they kept every feature DenseNet appends later), and each
+# recomputation gets containers of its own. Only a tree that holds a list, a dict or
 # another mutable pytree node pays the flatten.
 def holds_containers(tree: Any) -> bool:
     """Whether an argument tree holds a list, a dict or another container that the caller may change after the
