@@ -83,6 +83,46 @@ def dense_block():
     return DenseBlock(), torch.randn(8, 4, 16, 16), None
 
 
+class _Proj(nn.Module):
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(n_in, n_out), nn.LayerNorm(n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.linear(x)))
+
+
+class _Tail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.mix(x))
+
+
+class TrunkBesideAPair(nn.Module):
+    """CaiT's top level in short: a stack of layers in one Sequential beside a list of two other blocks, and a
+    stem and final projection of one class (timm's ByobNet) around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = _Proj(16, 32)
+        self.trunk = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(6)))
+        self.tail = nn.ModuleList(_Tail() for _ in range(2))
+        self.final, self.head = _Proj(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.trunk(self.stem(x))
+        for block in self.tail:
+            x = block(x)
+        return self.head(self.final(x))
+
+
+def trunk_beside_a_pair():
+    return TrunkBesideAPair(), torch.randn(BATCH, 16), None
+
+
 def _sample(o):
     return o.sample.float().sum()
 
@@ -131,6 +171,7 @@ MODELS = {
     "layer-list": layer_list,
     "alternating": alternating,
     "dense-block": dense_block,
+    "trunk-beside-a-pair": trunk_beside_a_pair,
     "unet2d": unet2d,
     "unet2d-condition": unet2d_condition,
 }
@@ -147,6 +188,9 @@ def test_units_of_flat_chains_lists_and_u_nets():
     assert find_blocks(flat_conv_chain()[0]) == [str(i) for i in range(27)]
     assert find_blocks(layer_list()[0]) == [f"layers.{i}" for i in range(8)]
     assert find_blocks(alternating()[0], "coarse") == [str(i) for i in range(7)]  # the Linears between are units
+    # NOTE [Units beside repeated ones]: the trunk as well as the pair of blocks and the stem and head
+    trunk = [f"trunk.{i}" for i in range(6)]
+    assert find_blocks(trunk_beside_a_pair()[0], "coarse") == ["stem", *trunk, "tail.0", "tail.1", "final"]
     unet = unet2d()[0]
     coarse = find_blocks(unet, "coarse")
     assert coarse == ["time_embedding", "down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1", "mid_block"]

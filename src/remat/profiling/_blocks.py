@@ -15,6 +15,14 @@ Checkpointing a lone layer alone saves nothing (its own backward keeps its input
 so the planner keeps it one level deep (NOTE [A lone layer is kept one level deep] in
 ``remat.planning._solve``), but in a run of layers it can sit inside a nested segment,
 which is how a flat chain reaches the same floor as the chain written in blocks.
+
+NOTE [Units beside repeated ones]
+At a level whose children repeat, each other non-leaf child is searched for units of
+its own. A level can hold a small repeated pair beside the stack where the memory is:
+CaiT's top level has two class-attention blocks in a list beside its 24 layers in one
+``Sequential``, timm's ByobNet models (MobileViT) a stem and a final conv of one class
+beside their stages. The pair alone were the units (cait_xxs24: 2 units, none in its
+trunk), so no plan could checkpoint the trunk.
 """
 
 from __future__ import annotations
@@ -71,13 +79,21 @@ def _repeated_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _level(module: nn.Module, prefix: str) -> list[str]:
-    """Blocks under ``module``: the top-most repeated children found on each path."""
+    """Blocks under ``module``: the top-most repeated children found on each path (NOTE [Units beside repeated
+    ones])."""
     repeated = _repeated_children(module)
-    if repeated:
-        return [f"{prefix}{n}" for n, _ in repeated]
-    found: list[str] = []
-    for name, child in module.named_children():
-        found.extend(_level(child, f"{prefix}{name}."))
+    if not repeated:
+        found: list[str] = []
+        for name, child in module.named_children():
+            found.extend(_level(child, f"{prefix}{name}."))
+        return found
+    picked = {n for n, _ in repeated}
+    found = []
+    for name, child, _ in _callable_children(module):
+        if name in picked:
+            found.append(f"{prefix}{name}")
+        elif not is_leaf(child):
+            found.extend(_level(child, f"{prefix}{name}."))
     return found
 
 
