@@ -350,6 +350,21 @@ def _vit_torchvision(layers: int) -> nn.Module:
     return torchvision.models.VisionTransformer(**size, num_layers=layers, dropout=0.1, num_classes=10)
 
 
+def _fasterrcnn(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
+    """Faster R-CNN (MobileNetV3 and FPN) in training: images and boxes in, a dict of losses out. Its transform
+    reads a draw to pick a training size (NOTE [Branches on random draws]) and its samplers draw ``randperm``."""
+    import torchvision
+
+    detection = torchvision.models.detection
+    model = detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None, weights_backbone=None, num_classes=5, min_size=96, max_size=96
+    )
+    images = list(torch.rand(2, 3, 96, 96, generator=_gen(8)))
+    boxes = torch.tensor([[10.0, 20.0, 60.0, 90.0], [30.0, 30.0, 80.0, 85.0]])
+    targets = [{"boxes": boxes, "labels": torch.tensor([1, 3])} for _ in images]
+    return model, {"images": images, "targets": targets}, lambda losses: sum(losses.values())
+
+
 ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any], Loss]]] = {
     "gpt2": lambda n: _causal_lm("gpt2", n_embd=64, n_layer=n, n_head=4, n_positions=SEQ)(n),
     "llama": _causal_lm("llama", **_KV),
@@ -407,11 +422,12 @@ ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any]
     "flux": _flux,
     "densenet": _torchvision(_densenet),
     "vit-torchvision": _torchvision(_vit_torchvision),
+    "fasterrcnn": _fasterrcnn,
 }
 
 
 DIFFUSERS = ("unet2d-condition", "unet2d", "autoencoder-kl", "dit", "pixart", "sd3", "flux")
-TORCHVISION = ("densenet", "vit-torchvision")
+TORCHVISION = ("densenet", "vit-torchvision", "fasterrcnn")
 
 
 def _build(name: str, layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:

@@ -7,8 +7,9 @@ draws its masks from NumPy's generator, LayerDrop from torch's: at its floor it 
 plan whose segments ran the layers LayerDrop skipped, NOTE [LayerDrop and nested segments]) and Whisper
 (encoder and decoder stacks, audio features), and diffusers' AutoencoderKL (its loss closes over the images
 of the whole batch: at its floor the reference on a slice of the batch failed, NOTE [A step that depends on
-the batch size]), and torchvision's DenseNet and ViT where torchvision is installed (the compatibility lane):
-at 0.8 of the peak without checkpointing and at the
+the batch size]), and torchvision's DenseNet, ViT and Faster R-CNN where torchvision is installed (the
+compatibility lane; Faster R-CNN reads a draw to pick its training size, once refused as a branch on a random
+draw): at 0.8 of the peak without checkpointing and at the
 floor + 1%, the plan auto applies measures within its budget, its step is bit-equal to an untouched
 copy's, and ``remat.remove`` leaves the parameters and the module tree as they were. The benchmark
 runs every architecture it has.
@@ -42,7 +43,9 @@ def _load_benchmark():
 architectures = _load_benchmark()
 
 
-@pytest.mark.parametrize("name", ["albert", "wav2vec2", "whisper", "autoencoder-kl", "densenet", "vit-torchvision"])
+@pytest.mark.parametrize(
+    "name", ["albert", "wav2vec2", "whisper", "autoencoder-kl", "densenet", "vit-torchvision", "fasterrcnn"]
+)
 def test_auto_holds_its_budget_and_the_step_on_the_architecture(name, capsys):
     if name in architectures.DIFFUSERS:
         pytest.importorskip("diffusers")

@@ -40,6 +40,8 @@ _BRANCHING = {
     "randn": lambda x: torch.randn([]) > 3.0,
     "bernoulli of probabilities": lambda x: bool(torch.bernoulli(torch.full((), 0.3))),
     "rand_like of data": lambda x: bool((torch.rand_like(x[0, 0]) < 0.3).all()),
+    # torchvision's GeneralizedRCNNTransform.torch_choice of two training sizes
+    "a choice of two": lambda x: [False, True][int(torch.empty(1).uniform_(0.0, 2.0).item())],
 }
 _NOT_BRANCHING = {
     "rand below 0": lambda x: torch.rand([]) < 0.0,
@@ -47,6 +49,10 @@ _NOT_BRANCHING = {
     "bernoulli of 0": lambda x: bool(torch.bernoulli(torch.zeros(()), 0.0).bool()),
     "dropout of data": lambda x: bool(torch.nn.functional.dropout(x, 0.5).sum() > 1e9),
     "data": lambda x: bool(x.sum() > 1e9),
+    # The same choice of one size (torchvision's detection models' default): the item()s of the two ends differ,
+    # and pick the same; and a drawn scale read into Python that sends no run elsewhere.
+    "a choice of one": lambda x: [False][int(torch.empty(1).uniform_(0.0, 1.0).item())],
+    "a drawn scale": lambda x: bool(x.sum() * torch.rand(1).item() > 1e9),
 }
 
 

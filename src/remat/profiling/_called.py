@@ -156,7 +156,7 @@ def random_branches(model: nn.Module, inputs: Inputs, *, training: bool | None) 
     if _sharded(model):
         return ()
     weights = weight_storages(model)
-    low, high = RandomBranches("low", weights=weights), RandomBranches("high")
+    low, high = RandomBranches("low", weights=weights), RandomBranches("high", weights=weights)
     host_runs: list[RandomBranches] = []
     try:
         with _in_mode(model, training), spent("random-branch forwards"):

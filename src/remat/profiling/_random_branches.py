@@ -20,8 +20,13 @@ running the forward without gradients, and a second time where the first read a 
   (``rand < p``, the only kind LayerDrop makes) goes the same way for every draw exactly when it
   goes the same way at both ends, so a read of a drawn value (``item``, ``bool``, ``equal``)
   that differs between the runs is a branch on a random draw; with LayerDrop's probability 0
-  both runs read False and nothing is found. ``item()`` of a drawn float differs always: what
-  Python does with it is not seen, so it counts as a branch.
+  both runs read False and nothing is found. What Python does with a value it reads is not
+  seen, so the runs' ops tell: where both ran the same ops at the same shapes, no read sent
+  either end elsewhere, and nothing is found. torchvision's detection models read
+  ``int(uniform_(0, len(sizes)).item())`` to pick a training size: with one size both ends
+  pick it, and their ``item()`` values, which always differ, refused every such model. A test
+  that sends draws in the middle of their range elsewhere than both ends (not monotone:
+  ``0.4 < u < 0.6``) is not seen.
 * A read of a sample neither run can force (``randn``, ``randint``, ``bernoulli`` of a tensor of
   probabilities, ...) counts as a branch.
 
@@ -258,6 +263,8 @@ def branches(low: RandomBranches, high: RandomBranches, *host_runs: RandomBranch
     could force, and the first read whose value differs between them), and where ``host_runs`` first ran other ops
     than ``low`` (a branch on Python's or NumPy's draws)."""
     found = dict.fromkeys([*low.unforced, *high.unforced])
+    if low.ops == high.ops:  # both ends ran the same ops at the same shapes: no read sent either elsewhere
+        return _with_host_branches(found, host_runs)
     for (where, a), (_, b) in zip(low.reads, high.reads, strict=False):
         if a != b:
             found[where] = None
@@ -266,6 +273,11 @@ def branches(low: RandomBranches, high: RandomBranches, *host_runs: RandomBranch
         if len(low.reads) != len(high.reads):
             longer = low.reads if len(low.reads) > len(high.reads) else high.reads
             found[longer[min(len(low.reads), len(high.reads))][0]] = None
+    return _with_host_branches(found, host_runs)
+
+
+def _with_host_branches(found: dict[str, None], host_runs: tuple[RandomBranches, ...]) -> tuple[str, ...]:
+    """``found`` with where the first of ``host_runs`` that ran other ops than the first run diverged."""
     for run in host_runs:
         if run.diverged is not None:
             found[f"{run.diverged} (a draw of Python's or NumPy's generator)"] = None
