@@ -6,26 +6,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["collect_tensors", "holds_containers"]
+__all__ = ["collect_tensors"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
-    """The tensors in ``tree``: built-in containers walked directly (a pytree walk costs
-    tens of microseconds per block call), anything else through torch's pytree."""
+def collect_tensors(tree: Any, out: list[torch.Tensor]) -> bool:
+    """Append the tensors in ``tree`` to ``out``: built-in containers walked directly (a pytree walk costs tens of
+    microseconds per block call), anything else through torch's pytree. Returns whether ``tree`` holds a list, a
+    dict or another container the caller may change after the call (a tuple cannot change; NOTE [Arguments as the
+    call saw them])."""
     kind = type(tree)
     if isinstance(tree, torch.Tensor):
         out.append(tree)
-    elif kind is tuple or kind is list:
-        for item in tree:
-            collect_tensors(item, out)
-    elif kind is dict:
+        return False
+    if kind in _SCALARS:
+        return False
+    if kind is tuple or kind is list:
+        inner = [collect_tensors(item, out) for item in tree]  # every item walked: no short cut
+        return kind is list or any(inner)
+    if kind is dict:
         for item in tree.values():
             collect_tensors(item, out)
-    elif kind not in _SCALARS:
-        leaves, _ = torch.utils._pytree.tree_flatten(tree)
-        out.extend(t for t in leaves if isinstance(t, torch.Tensor))
+        return True
+    leaves, _ = torch.utils._pytree.tree_flatten(tree)
+    out.extend(t for t in leaves if isinstance(t, torch.Tensor))
+    mutable = isinstance(tree, (list, dict)) or kind in torch.utils._pytree.SUPPORTED_NODES
+    return mutable and not isinstance(tree, tuple)
 
 
 # NOTE [Arguments as the call saw them]
@@ -42,15 +49,5 @@ def collect_tensors(tree: Any, out: list[torch.Tensor]) -> None:
 # holding the same tensors (their writes checked as before), lets the caller's go
 # after the forward (held, they kept every feature DenseNet appends later), and each
 # recomputation gets containers of its own. Only a tree that holds a list, a dict or
-# another mutable pytree node pays the flatten.
-def holds_containers(tree: Any) -> bool:
-    """Whether an argument tree holds a list, a dict or another container that the caller may change after the
-    call (a tuple is walked: it cannot change)."""
-    kind = type(tree)
-    if isinstance(tree, torch.Tensor) or kind in _SCALARS:
-        return False
-    if kind is tuple:
-        return any(holds_containers(item) for item in tree)
-    if isinstance(tree, (list, dict)):
-        return True
-    return not isinstance(tree, tuple) and kind in torch.utils._pytree.SUPPORTED_NODES
+# another mutable pytree node pays the flatten (``collect_tensors`` tells, in the walk
+# that finds the inputs).

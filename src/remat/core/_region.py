@@ -61,7 +61,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.core import _nested_writes as nested_writes
-from remat.core._arguments import collect_tensors, holds_containers
+from remat.core._arguments import collect_tensors
 from remat.core._recomputing import bookkeeping, is_recomputing
 from remat.core._writes import storage_key
 
@@ -119,8 +119,10 @@ class Region:
         self.args = args
         self.kwargs = kwargs
         # NOTE [Arguments as the call saw them] in remat.core._arguments: the containers now, for recomputation
-        held = any(holds_containers(a) for a in args) or any(holds_containers(v) for v in kwargs.values())
-        self._as_called = torch.utils._pytree.tree_flatten((args, kwargs)) if held else None
+        # (the top-level kwargs dict is the call's own: its values are walked)
+        self._inputs: list[torch.Tensor] | None = []
+        held = [collect_tensors(item, self._inputs) for item in (*args, *kwargs.values())]
+        self._as_called = torch.utils._pytree.tree_flatten((args, kwargs)) if any(held) else None
         self.owner = owner
         """The module whose forward is checkpointed: its own hooks ran before the region began."""
         self.learned = learned
@@ -132,7 +134,6 @@ class Region:
         self.expected: set[int] = set()
         """Storage keys of the buffers the first call saw written."""
         self.buffer_modules: dict[int, nn.Module] = {}
-        self._inputs: list[torch.Tensor] | None = None
         self.written_inputs: dict[int, bool] = {}
         """Storage key -> requires_grad of each input the forward wrote in place."""
         self._fresh: dict[int, torch.Tensor] = {}

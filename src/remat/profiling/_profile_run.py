@@ -49,23 +49,21 @@ class _Policies:
 
     def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
         modules = dict(model.named_modules())
-        self.names = list(names)
-        self.blocks = [modules[n] for n in names]
-        touched = self.blocks + [c for m in self.blocks for c in inner_layers(m)]  # full-fine wraps those too
-        self.saved = [(m, m.__dict__.get("forward")) for m in touched]
-        for m in self.blocks:  # NOTE [selective-ops traces selective's learning] in remat.profiling._schedule
+        self.blocks = {n: modules[n] for n in names}
+        touched = [*self.blocks.values(), *(c for m in self.blocks.values() for c in inner_layers(m))]
+        self.saved = [(m, m.__dict__.get("forward")) for m in touched]  # full-fine wraps the inner layers too
+        for m in self.blocks.values():  # NOTE [selective-ops traces selective's learning] in remat.profiling._schedule
             forget_structure(m)
 
     def only_called(self, segments: Sequence[Segment]) -> None:
         """From now on, leave unwrapped the blocks that ``segments`` (a step's) never saw called (NOTE [A unit run
         without its hooks])."""
         called = {s.key[1] for s in segments if s.key[0] == "fwd"}
-        kept = [(n, m) for n, m in zip(self.names, self.blocks) if n in called]
-        self.names, self.blocks = [n for n, _ in kept], [m for _, m in kept]
+        self.blocks = {n: m for n, m in self.blocks.items() if n in called}
 
     def set(self, policy: str) -> None:
         self.restore()
-        for m in self.blocks:
+        for m in self.blocks.values():
             if policy == FINE:
                 wrap_fine(m)
             elif policy != KEEP:
