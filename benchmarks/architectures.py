@@ -494,15 +494,17 @@ def _row(name: str, built: tuple[nn.Module, dict, Loss], fraction: float, base: 
 
 
 def _architecture(name: str, layers: int) -> list[bool]:
-    if name in TORCHVISION and importlib.util.find_spec("torchvision") is None:
-        print(f"| {name} | | not run: torchvision is not installed | | | | |")
+    return budgets_held(name, lambda: _build(name, layers), needs="torchvision" if name in TORCHVISION else None)
+
+
+def budgets_held(name: str, build: Callable[[], tuple[nn.Module, dict, Loss]], *, needs: str | None) -> list[bool]:
+    """Print the model's rows (its peak, then auto at 0.8 and at the floor + 1%); whether each budget held. A model
+    whose package ``needs`` is not installed is one row saying so."""
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        print(f"| {name} | | not run: {needs} is not installed | | | | |")
         return []
     torch.manual_seed(0)
-    return budgets_held(name, _build(name, layers))
-
-
-def budgets_held(name: str, built: tuple[nn.Module, dict, Loss]) -> list[bool]:
-    """Print the model's rows (its peak, then auto at 0.8 and at the floor + 1%); whether each budget held."""
+    built = build()
     model, batch, loss_fn = built
     model.train()
     prof = remat.profile(model, batch, loss_fn, repeat=1, warmup=0)

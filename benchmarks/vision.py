@@ -87,12 +87,7 @@ def _build(name: str, batch: int, size: int) -> Built:
 
 
 def _model(name: str, batch: int, size: int) -> list[bool]:
-    package = MODELS[name][0]
-    if importlib.util.find_spec(package) is None:
-        print(f"| {name} | | not run: {package} is not installed | | | | |")
-        return []
-    torch.manual_seed(0)
-    return architectures.budgets_held(name, _build(name, batch, size))
+    return architectures.budgets_held(name, lambda: _build(name, batch, size), needs=MODELS[name][0])
 
 
 def main() -> None:
