@@ -90,6 +90,38 @@ def test_a_device_only_nested_plans_fit_gets_a_verified_plan_within_it(build):
         remat.remove(model)
 
 
+class Tabled(nn.Module):
+    """Flux's inputs: each sample's tokens, and a table of one row per token every sample reads."""
+
+    def __init__(self, n: int = 12, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(d) for _ in range(n)))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x + ids)
+
+
+def test_a_table_every_sample_reads_is_handed_whole_to_the_slice():
+    # Each input had to share the first dimension: Flux's img_ids (a row per token) left its reference unsliced.
+    torch.manual_seed(0)
+    model, batch = Tabled(), {"x": torch.randn(32, 24, 32), "ids": torch.randn(24, 32)}
+    prof = remat.profile(model, batch, fake=True, target="cpu")
+    nested = remat.plan(prof, strategy="none").min_peak_bytes
+    budget = (nested + remat.plan(prof, strategy="none", nested=False).min_peak_bytes) // 2
+    reference = copy.deepcopy(model)
+    reference(**batch).square().mean().backward()
+    device = SimulatedDevice(budget, resting(model, *batch.values()), snapshots_on_host=True)
+    with device:
+        plan = remat.auto(model, batch, budget, repeat=1, warmup=0)
+    try:
+        assert plan.segments and device.peak <= budget and not device.refused, (device.peak, budget)
+        assert any(n.startswith("Verified:") and "on the first" in n for n in plan.notes), plan.notes
+        model(**batch).square().mean().backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    finally:
+        remat.remove(model)
+
+
 def test_without_a_slice_the_reference_runs_out_where_only_nested_plans_fit(monkeypatch):
     # What the slice is for: the whole batch's reference does not fit the same device.
     monkeypatch.setattr(_candidates, "reference_batch", lambda *args: None)
@@ -183,16 +215,18 @@ def test_a_loss_fn_of_the_whole_batch_on_a_device_only_nested_plans_fit_says_why
     assert device.refused and _untouched(model, before)
 
 
-def test_the_batch_is_the_first_dimension_every_input_shares():
+def test_the_batch_is_the_first_dimension_most_inputs_share():
     x, mask = torch.randn(4, 3), torch.ones(4, 7)
     assert batch_size({"x": x, "mask": mask, "step": torch.tensor(3), "n": 2}) == 4
-    assert batch_size((x, torch.ones(5, 3))) is None  # a sequence-first input beside a batch-first one
+    assert batch_size((x, mask, torch.ones(9, 3), torch.ones(1, 9))) == 4  # tables every sample reads
+    assert batch_size((x, torch.ones(9, 1))) == 4  # as many inputs: the first dimension of more elements
+    assert batch_size((x, torch.ones(6, 2))) is None  # as many inputs and elements
     assert batch_size((torch.tensor(1.0),)) is None
-    leaf = torch.randn(4, 3, requires_grad=True)
-    cut = sliced({"x": leaf, "step": torch.tensor(3)}, 2)
+    leaf, table = torch.randn(4, 3, requires_grad=True), torch.ones(9, 3)
+    cut = sliced({"x": leaf, "ids": table, "step": torch.tensor(3)}, 2, 4)
     assert cut["x"].shape == (2, 3) and cut["x"].is_leaf and cut["x"].requires_grad
     assert cut["x"].untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr()  # a view: no new bytes
-    assert cut["step"].dim() == 0
+    assert cut["ids"] is table and cut["step"].dim() == 0
 
 
 def test_the_slice_is_sized_for_the_budget_above_the_fixed_bytes():

@@ -104,7 +104,7 @@ class Candidates:
         """The CUDA allocator's reserved peak of each plan measured on CUDA, by its index in ``tried``."""
         self.reference_plan: Plan | None = None
         """The plan whose step verified plans are compared with (None: the step without checkpointing)."""
-        self.compared_on: Any = inputs if findings.samples is None else sliced(inputs, findings.samples[0])
+        self.compared_on: Any = inputs if findings.samples is None else sliced(inputs, *findings.samples)
         """The inputs of the steps compared: ``inputs``, or its first ``findings.samples``."""
 
     @property
@@ -270,7 +270,7 @@ class Candidates:
         b = None if batch is None else reference_batch(batch, predicted, fixed, limit)
         if batch is None or b is None:
             why = (
-                "its inputs have no common batch dimension"
+                "no first dimension is shared by more of its inputs than any other"
                 if batch is None
                 else f"even {MIN_SAMPLES} samples are predicted over"
             )
@@ -282,7 +282,7 @@ class Candidates:
         )
 
     def _compare_on(self, b: int, batch: int) -> None:
-        self.findings.samples, self.compared_on = (b, batch), sliced(self.inputs, b)
+        self.findings.samples, self.compared_on = (b, batch), sliced(self.inputs, b, batch)
 
     def _reference_step(self, keep: Plan) -> Step:
         """The reference step; on a slice that runs out of memory, again on half the slice; on a slice the step

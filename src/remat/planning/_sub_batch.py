@@ -8,16 +8,21 @@ of, it runs out of memory and no plan is made. What that comparison catches, a n
 that computes another function (the parent's code between blocks, writes in place), is in
 the model's code, not in its batch size: so the reference step and each nested plan's
 comparison step run on the first ``b`` samples of the batch, and the plan's own step on the
-whole batch gives its peak. Every tensor input with a first dimension of the batch's size is
-sliced; inputs whose first dimensions differ (a sequence-first layout) cannot be, and auto
-then runs the reference over the budget as before. ``b`` scales the reference's predicted
-bytes above the step's fixed ones (parameters, buffers, inputs, gradients, optimizer state)
-linearly in the batch, with a tenth to spare; a reference that still runs out halves ``b``.
-A slice has at least ``MIN_SAMPLES`` (two): training-mode batch norm refuses one sample of a
-``(N, C)`` input, and one sample has no batch statistics to compare. A step that fails on the
-slice (a ``loss_fn`` with a target of the whole batch) is compared on the whole batch instead
-(NOTE [A step that depends on the batch size] in remat.planning._candidates); one that runs on it
-computes the reference and every plan compared with it on the same samples.
+whole batch gives its peak. The batch size is the first dimension most tensor inputs share (a
+tie: the one of the most elements), and every tensor input with that first dimension is sliced;
+the others are handed whole: a table every sample reads (Flux's ``img_ids`` of one row per
+token, a ``(1, seq)`` ``position_ids`` that broadcasts) is no sample's, and requiring every
+input to share the first dimension left such models with no slice, their reference over the
+budget. An input of another first dimension that is per sample (a sequence-first layout beside
+a batch-first one) makes the step on the slice fail on a shape, and that step is compared on
+the whole batch as below. ``b`` scales the reference's predicted bytes above the step's fixed
+ones (parameters, buffers, inputs, gradients, optimizer state) linearly in the batch, with a
+tenth to spare; a reference that still runs out halves ``b``. A slice has at least
+``MIN_SAMPLES`` (two): training-mode batch norm refuses one sample of a ``(N, C)`` input, and
+one sample has no batch statistics to compare. A step that fails on the slice (a ``loss_fn``
+with a target of the whole batch) is compared on the whole batch instead (NOTE [A step that
+depends on the batch size] in remat.planning._candidates); one that runs on it computes the
+reference and every plan compared with it on the same samples.
 """
 
 from __future__ import annotations
@@ -36,17 +41,23 @@ MIN_SAMPLES = 2
 
 
 def batch_size(inputs: Any) -> int | None:
-    """The first dimension every tensor input of one or more dimensions shares (None: none, or they differ)."""
-    sizes = {t.shape[0] for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1}
-    return sizes.pop() if len(sizes) == 1 else None
+    """The first dimension most tensor inputs of one or more dimensions share, of those as many share the one
+    holding the most elements (None: no such input, or a tie on both)."""
+    shares: dict[int, list[int]] = {}
+    for t in tree_flatten(inputs)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            share = shares.setdefault(t.shape[0], [0, 0])
+            share[0], share[1] = share[0] + 1, share[1] + t.numel()
+    top = sorted(shares.items(), key=lambda item: item[1], reverse=True)[:2]
+    return top[0][0] if top and (len(top) == 1 or top[0][1] != top[1][1]) else None
 
 
-def sliced(inputs: Any, b: int) -> Any:
-    """``inputs`` with every tensor of one or more dimensions cut to its first ``b`` samples: a view, so that the
-    slice costs no memory beside the batch, and a leaf of its own where the tensor required grad."""
+def sliced(inputs: Any, b: int, batch: int) -> Any:
+    """``inputs`` with every tensor whose first dimension is ``batch`` cut to its first ``b`` samples: a view, so
+    that the slice costs no memory beside the batch, and a leaf of its own where the tensor required grad."""
 
     def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
             return t
         return t.detach()[:b].requires_grad_(t.requires_grad)
 
