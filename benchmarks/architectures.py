@@ -4,18 +4,18 @@
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py llama t5   # some
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/architectures.py --write    # into BENCHMARKS.md
 
-Each architecture is built from a tiny config with random weights (nothing is downloaded) with ``--layers``
-layers, in training mode (dropout as its config sets it), fed a batch with labels so that ``output.loss`` is
-the loss (diffusers models: the mean squared error of ``output.sample`` from a fixed target of the whole
-batch, as a denoising or reconstruction loss is; torchvision models, where it is installed: the cross-entropy of
-the logits with fixed labels); remat finds the blocks (``blocks=None``). One profile gives
-the peak without checkpointing and the lowest peak any plan reaches (the floor); then ``remat.auto`` (verify
-on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies and nested segments, predicted
-and measured peaks (``remat.measure``), and whether the step with the plan (loss, every gradient, every
-buffer) equals a step of an untouched copy of the model, compared here with ``torch.equal`` (torch's, NumPy's
-and Python's generators seeded alike: wav2vec2 masks with NumPy); then ``remat.remove`` must leave the
-parameters and the module tree as they were. A refusal (a budget below the floor) is a row too, with auto's
-reason.
+Each architecture is built from a tiny config with random weights (nothing is downloaded) with ``--layers`` layers,
+in training mode (dropout as its config sets it), fed a batch with labels so that ``output.loss`` is the loss
+(diffusers models: the mean squared error of ``output.sample`` from a fixed target of the whole batch, as a
+denoising or reconstruction loss is; torchvision models, where it is installed: the cross-entropy of the logits
+with fixed labels; ``llama-lora`` is Llama with peft's LoRA on every linear); remat finds the blocks
+(``blocks=None``). One profile gives the peak without checkpointing and the lowest peak any plan reaches (the
+floor); then ``remat.auto`` (verify on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies
+and nested segments, predicted and measured peaks (``remat.measure``), and whether the step with the plan (loss,
+every gradient, every buffer) equals a step of an untouched copy of the model, compared here with ``torch.equal``
+(torch's, NumPy's and Python's generators seeded alike: wav2vec2 masks with NumPy); then ``remat.remove`` must
+leave the parameters and the module tree as they were. A refusal (a budget below the floor) is a row too, with
+auto's reason.
 """
 
 from __future__ import annotations
@@ -322,6 +322,18 @@ def _flux(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
 
 
 _KV = {"num_key_value_heads": 2}
+
+
+def _lora(layers: int) -> Built:
+    # LoRA on every linear ("all-linear", the QLoRA recipe) with adapter dropout: the base frozen, each layer's
+    # 7 projections wrapped (NOTE [A block is refined into what it calls] in remat.profiling._blocks).
+    import peft
+
+    model, batch = _causal_lm("llama", **_KV)(layers)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.1)
+    return peft.get_peft_model(model, config), batch
+
+
 # torchvision models (in the compatibility lane's venv): images and class labels, the loss their cross-entropy.
 # DenseNet hands each layer the list of every earlier output and appends to it after the call (NOTE [Arguments as
 # the call saw them] in remat.core._arguments); ViT's nn.MultiheadAttention is called with one tensor three times.
@@ -368,6 +380,7 @@ def _fasterrcnn(layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
 ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any], Loss]]] = {
     "gpt2": lambda n: _causal_lm("gpt2", n_embd=64, n_layer=n, n_head=4, n_positions=SEQ)(n),
     "llama": _causal_lm("llama", **_KV),
+    "llama-lora": _lora,
     "mistral": _causal_lm("mistral", **_KV, sliding_window=16),
     "qwen2": _causal_lm("qwen2", **_KV),
     "qwen3": _causal_lm("qwen3", **_KV, head_dim=16),
@@ -428,6 +441,7 @@ ARCHITECTURES: dict[str, Callable[[int], Built | tuple[nn.Module, dict[str, Any]
 
 DIFFUSERS = ("unet2d-condition", "unet2d", "autoencoder-kl", "dit", "pixart", "sd3", "flux")
 TORCHVISION = ("densenet", "vit-torchvision", "fasterrcnn")
+PEFT = ("llama-lora",)
 
 
 def _build(name: str, layers: int) -> tuple[nn.Module, dict[str, Any], Loss]:
@@ -494,7 +508,8 @@ def _row(name: str, built: tuple[nn.Module, dict, Loss], fraction: float, base: 
 
 
 def _architecture(name: str, layers: int) -> list[bool]:
-    return budgets_held(name, lambda: _build(name, layers), needs="torchvision" if name in TORCHVISION else None)
+    needs = "torchvision" if name in TORCHVISION else "peft" if name in PEFT else None
+    return budgets_held(name, lambda: _build(name, layers), needs=needs)
 
 
 def budgets_held(name: str, build: Callable[[], tuple[nn.Module, dict, Loss]], *, needs: str | None) -> list[bool]:

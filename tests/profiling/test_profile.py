@@ -366,3 +366,66 @@ def test_auto_blocks_do_not_refine_a_layer_into_its_experts():
     model = nn.Sequential(Layer(), Layer())
     assert find_blocks(model) == ["0", "1"]
     assert find_blocks(model, "fine") == ["0", "1"]
+
+
+class _Adapted(nn.Module):
+    """peft's lora.Linear: a frozen linear with a low-rank update beside it."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out).requires_grad_(False)
+        self.a, self.b = nn.Linear(d_in, 2, bias=False), nn.Linear(2, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(x))
+
+
+class _AdaptedAttention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (_Adapted(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (self.q(x) @ self.k(x).transpose(1, 2)).softmax(-1)  # the scores live here, in no unit
+        return self.o(scores @ self.v(x))
+
+
+class _AdaptedLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attention, self.up, self.down = _AdaptedAttention(d), _Adapted(d, 4 * d), _Adapted(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(x)
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+def test_auto_blocks_refine_a_layer_only_into_what_it_calls():
+    # NOTE [A block is refined into what it calls]: LoRA on every linear made the wrappers the units, 28 for a
+    # 4-layer Llama, and the scores inside each attention's own code could not be checkpointed. Now each layer
+    # is refined into what it calls: its attention (which holds four wrappers) and its two wrappers.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(_AdaptedLayer(16) for _ in range(4))), torch.randn(8, 64, 16)
+    assert find_blocks(model) == [f"{i}.{n}" for i in range(4) for n in ("attention", "up", "down")]
+    wrappers = [f"{i}.{n}" for i in range(4) for n in ("attention.q", "attention.k", "attention.v", "attention.o")]
+    wrappers += [f"{i}.{n}" for i in range(4) for n in ("up", "down")]
+    floors = {}
+    for units in (find_blocks(model), wrappers):
+        prof = remat.profile(model, x, blocks=units, repeat=1, warmup=0)
+        floors[len(units)] = remat.plan(prof, strategy="none").min_peak_bytes / prof.baseline_peak_bytes
+    assert floors[12] < 0.8 * floors[24], floors
+    # a stage that runs its layers through a plain Sequential calls them itself: it is refined into them
+    stages = nn.Sequential(*(_Stage() for _ in range(2)))
+    assert find_blocks(stages) == [f"{i}.layers.{j}" for i in range(2) for j in range(3)]
+    # a stage of one block is refined into what that block calls
+    single = nn.Sequential(*(nn.Sequential(_AdaptedLayer(8)) for _ in range(2)))
+    assert find_blocks(single) == [f"{i}.0.{n}" for i in range(2) for n in ("attention", "up", "down")]
+
+
+class _Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(_AdaptedLayer(8) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)

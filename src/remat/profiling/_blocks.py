@@ -23,6 +23,18 @@ CaiT's top level has two class-attention blocks in a list beside its 24 layers i
 ``Sequential``, timm's ByobNet models (MobileViT) a stem and a final conv of one class
 beside their stages. The pair alone were the units (cait_xxs24: 2 units, none in its
 trunk), so no plan could checkpoint the trunk.
+
+NOTE [A block is refined into what it calls]
+``"auto"`` refines fewer than eight units once, into the modules each calls itself (its
+children, the items of its lists and of its plain ``Sequential`` chains) that hold units:
+a ResNet stage's bottlenecks, a U-Net down block's resnets and attentions. Units found
+deeper sit inside a callee whose own code runs between them, out of their reach: a Llama
+layer with LoRA on every linear ("all-linear") was refined into its 7 ``lora.Linear``
+wrappers, which leave the attention's scores and the MLP's activations outside every unit
+(4 layers: 28 units, floor 0.639 of the peak; refined into attention and MLP, 0.33). Where
+the callees holding units are one module (a stage of one block), that module is refined
+the same way: else the stage would stay whole, and a stage of one HGNet block reached a
+floor of 0.808 of the peak where its block's layers reach 0.749.
 """
 
 from __future__ import annotations
@@ -114,9 +126,42 @@ def _refine(model: nn.Module, names: list[str]) -> list[str]:
     modules = dict(model.named_modules())
     refined: list[str] = []
     for name in names:
-        inner = _level(modules[name], f"{name}.")
+        inner = _refined(modules, name)
         refined.extend(inner if _holds_all_parameters(modules[name], [modules[n] for n in inner]) else [name])
     return refined
+
+
+def _refined(modules: dict[str, nn.Module], name: str) -> list[str]:
+    """The units ``name`` is refined into: the modules it calls that hold units; where that is one module, what
+    that one calls (NOTE [A block is refined into what it calls])."""
+    block = modules[name]
+    inner = _callees(block, name, _level(block, f"{name}."))
+    if len(inner) == 1 and inner[0] != name:
+        deeper = _refined(modules, inner[0])
+        if _holds_all_parameters(modules[inner[0]], [modules[n] for n in deeper]):
+            return deeper
+    return inner
+
+
+def _callees(block: nn.Module, name: str, inner: list[str]) -> list[str]:
+    """For each of ``inner``, the module ``block`` calls that holds it, once each, in order (NOTE [A block is
+    refined into what it calls])."""
+    called = sorted(_called(block, name), key=len, reverse=True)
+    found: list[str] = []
+    for unit in inner:
+        callee = next(c for c in called if unit == c or unit.startswith(f"{c}."))
+        if callee not in found:
+            found.append(callee)
+    return found
+
+
+def _called(module: nn.Module, name: str) -> Iterable[str]:
+    """The modules ``module`` calls with no code of another module between: its children, seen through lists
+    and through plain ``Sequential`` chains."""
+    for child_name, child, _ in _callable_children(module, f"{name}."):
+        yield child_name
+        if type(child).forward is nn.Sequential.forward:
+            yield from _called(child, child_name)
 
 
 def _holds_all_parameters(block: nn.Module, inner: list[nn.Module]) -> bool:
