@@ -12,10 +12,10 @@ with fixed labels; ``llama-lora`` is Llama with peft's LoRA on every linear); re
 (``blocks=None``). One profile gives the peak without checkpointing and the lowest peak any plan reaches (the
 floor); then ``remat.auto`` (verify on) at 0.8 of that peak and at the floor + 1%. Per budget: the plan's policies
 and nested segments, predicted and measured peaks (``remat.measure``), and whether the step with the plan (loss,
-every gradient, every buffer) equals a step of an untouched copy of the model, compared here with ``torch.equal``
-(torch's, NumPy's and Python's generators seeded alike: wav2vec2 masks with NumPy); then ``remat.remove`` must
-leave the parameters and the module tree as they were. A refusal (a budget below the floor) is a row too, with
-auto's reason.
+every gradient, every buffer) equals a step of an untouched copy of the model (``use_cache`` off, as
+``remat.apply`` sets it), compared here with ``torch.equal`` (torch's, NumPy's and Python's generators seeded
+alike: wav2vec2 masks with NumPy); then ``remat.remove`` must leave the parameters and the module tree as they
+were. A refusal (a budget below the floor) is a row too, with auto's reason.
 """
 
 from __future__ import annotations
@@ -463,6 +463,16 @@ def _step(model: nn.Module, batch: dict[str, Any], loss_fn: Loss, seed: int = 7)
     return loss.detach(), grads, {n: b.clone() for n, b in model.named_buffers()}
 
 
+def _cache_off(model: nn.Module) -> nn.Module:
+    """``model`` with ``use_cache`` off on every config, as ``remat.apply`` sets it: with transformers 4.57 that
+    alone changes the rounding of a Llama's gradients (docs/planning.md)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+    return model
+
+
 def _differences(ref: tuple, got: tuple) -> list[str]:
     (loss, grads, bufs), (loss2, grads2, bufs2) = ref, got
     out = [] if torch.equal(loss, loss2) else ["loss"]
@@ -482,7 +492,7 @@ def _row(name: str, built: tuple[nn.Module, dict, Loss], fraction: float, base: 
     model, batch, loss_fn = built
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state, tree = copy.deepcopy(model.state_dict()), str(model)  # with its metadata (torchvision's versions)
-    reference = _step(copy.deepcopy(model), batch, loss_fn)
+    reference = _step(_cache_off(copy.deepcopy(model)), batch, loss_fn)
     start = time.perf_counter()
     try:
         plan = remat.auto(model, batch, fraction, loss_fn=loss_fn, repeat=1, warmup=0)
