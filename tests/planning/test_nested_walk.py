@@ -344,3 +344,51 @@ def test_a_profile_records_views_and_small_buffers_and_older_ones_load_without_t
     older = Profile.from_json(json.dumps(data))
     assert all(b.buffer_snapshots == 0 and not b.views_input for b in older.blocks)
     assert costs_of(older).snapshots is None and costs_of(older).views is None
+
+
+class _ConvBN(nn.Module):
+    def __init__(self, c_in: int, c_out: int, **kw: int) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c_in, c_out, bias=False, **kw), nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu_(self.bn(self.conv(x)))
+
+
+class _Reduction(nn.Module):
+    """torchvision's Inception ``Mixed_6a``: three branches of one input, one of them a chain, concatenated."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.wide = _ConvBN(c, 24, kernel_size=3, stride=2)
+        self.a, self.b = _ConvBN(c, 8, kernel_size=1), _ConvBN(8, 12, kernel_size=3, padding=1)
+        self.c = _ConvBN(12, 12, kernel_size=3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = nn.functional.max_pool2d(x, kernel_size=3, stride=2)
+        return torch.cat([self.wide(x), self.c(self.b(self.a(x))), pooled], 1)
+
+
+class _Sum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+
+@pytest.mark.xfail(strict=True, reason="a segment ending a branch the parent concatenates: under by 2 outputs")
+def test_a_segment_that_ends_a_concatenated_branch_is_predicted_within_its_peak():
+    # Found on torchvision's Inception v3 (batch 4, 299 px, torch 2.14.1): at its floor + 1%, a plan with segments
+    # in Mixed_6a's chained branch measured 536576 bytes (0.17%) over its prediction. Here the segment over the
+    # second reduction's last two convs measures 75264 bytes over: twice the last conv's output (its conv and
+    # BatchNorm outputs). auto measures its plan and holds the budget; remat.plan's prediction does not.
+    torch.manual_seed(0)
+    head = (nn.AdaptiveAvgPool2d(1), nn.Flatten(0), nn.Linear(4 * 80, 1), nn.Flatten(0), _Sum())
+    model = nn.Sequential(_ConvBN(3, 8, kernel_size=3), _Reduction(8), _Reduction(44), *head)
+    x = torch.randn(4, 3, 64, 64)
+
+    def shape(c, p):  # noqa: ANN001, ANN202
+        names = c.chain.blocks
+        s = names.index("2.b")
+        return (*(Node(k, p("keep")) for k in range(s)), Node(s, end=s + 2, children=(Node(s, p("keep")),)))
+
+    predicted, measured = _measured_plan(model, x, shape)
+    assert measured <= predicted, (predicted, measured)
