@@ -390,3 +390,25 @@ def tiny_t5(decoder_layers=2):
     )
     ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     return tf.T5ForConditionalGeneration(config).train(), {"input_ids": ids, "labels": ids}
+
+
+def prefix_tuned_llama():
+    """A 4-layer Llama under peft's prefix tuning (every layer handed its own prefix keys and values in one
+    cache), and a batch with labels."""
+    tf = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
+    model = peft.get_peft_model(
+        tf.LlamaForCausalLM(config), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=8)
+    )
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}

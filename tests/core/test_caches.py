@@ -1,10 +1,12 @@
 """NOTE [Caches in recomputation]: a checkpointed layer that writes to a KV cache it is handed."""
 
 import copy
+import itertools
+import weakref
 
 import pytest
 import torch
-from conftest import assert_grads_equal, tiny_t5
+from conftest import assert_grads_equal, prefix_tuned_llama, tiny_t5
 
 import remat
 from remat.core._caches import CacheCopies
@@ -131,16 +133,74 @@ def test_a_copy_shares_every_tensor_and_no_structure():
     cache.update(key, key, 0)
     copies = CacheCopies.of((), {"past_key_values": cache, "mask": torch.ones(2)})
     assert copies is not None
-    _, kwargs = copies.fresh((), {"past_key_values": cache, "mask": None})
-    fresh = kwargs["past_key_values"]
+    _, held = copies.stand_ins((), {"past_key_values": cache, "mask": None})
+    assert held["past_key_values"] is not cache  # the region holds the copy, not the user's cache
+    assert copies.originals((), held)[1]["past_key_values"] is cache  # the forward runs on the user's cache
+    fresh = copies.fresh((), held)[1]["past_key_values"]
     assert fresh is not cache and fresh.layers is not cache.layers and fresh.layers[0] is not cache.layers[0]
     assert fresh.layers[0].keys is cache.layers[0].keys  # no tensor copied
     fresh.update(key, key, 0)
     fresh.update(key, key, 1)
     assert cache.layers[0].keys.shape[-2] == 3 and len(cache.layers) == 1  # the user's cache is untouched
-    again = copies.fresh((), {"past_key_values": cache})[1]["past_key_values"]
+    again = copies.fresh((), held)[1]["past_key_values"]
     assert again.layers[0].keys.shape[-2] == 3 and len(again.layers) == 1  # each recomputation starts over
 
 
 def test_calls_without_a_cache_copy_nothing():
     assert CacheCopies.of((torch.ones(2), [1, {"a": torch.ones(1)}]), {"x": None}) is None
+
+
+def test_a_checkpointed_layer_keeps_no_later_layers_prefix():
+    # peft hands every layer its own prefix keys and values in one cache; the step without checkpointing frees
+    # each when its layer concatenates it. A copy of the whole cache kept the later layers' until the backward.
+    model, batch = prefix_tuned_llama()
+    reference = copy.deepcopy(model)
+    reference(**batch).loss.backward()
+    profile = remat.profile(model, batch)
+    names = [b.name for b in profile.blocks]
+    for combo in itertools.product(("keep", "full"), repeat=len(names)):
+        assignment = dict(zip(names, combo))
+        wrapped = [model.get_submodule(n) for n, p in assignment.items() if p == "full"]
+        for layer in wrapped:
+            remat.wrap(layer, policy="full")
+        try:
+            measured = remat.measure(model, batch).peak_bytes
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+        finally:
+            for layer in wrapped:
+                remat.unwrap(layer)
+        assert measured <= profile.predict_peak(assignment), combo  # fkkk: 24,576 B over before
+        assert_grads_equal(reference, model)
+        model.zero_grad(set_to_none=True)
+
+
+def _layer(key):
+    layer = tf.cache_utils.DynamicLayer()
+    layer.keys, layer.values, layer.is_initialized, layer.device = key, key.clone(), True, key.device
+    return layer
+
+
+def test_a_copy_keeps_the_layers_of_its_call_and_others_only_while_alive():
+    cache = tf.DynamicCache()
+    keys = [torch.randn(1, 2, 3, 4) for _ in range(3)]
+    cache.layers = [_layer(k) for k in keys]
+    attention = torch.nn.Module()
+    attention.layer_idx = 1
+    copies = CacheCopies.of((), {"past_key_values": cache}, modules=torch.nn.Sequential(attention).modules)
+    assert copies is not None
+    later = weakref.ref(cache.layers[2].keys)
+    cache.update(keys[1], keys[1], 1)  # the call's own update
+    cache.update(keys[2], keys[2], 2)  # a later layer's call replaces its keys; nothing else holds the old ones
+    del keys[2]
+    assert later() is None  # the copy did not keep them
+    fresh = copies.fresh(*copies.stand_ins((), {"past_key_values": cache}))[1]["past_key_values"]
+    assert fresh.layers[0].keys is cache.layers[0].keys  # an earlier layer, alive: what the forward read
+    assert fresh.layers[1].keys is keys[1] and fresh.layers[1] is not cache.layers[1]  # its own, as found
+    with pytest.raises(remat.RematError, match="layer_idx"):
+        _ = fresh.layers[2].keys  # gone: never another tensor in its place
+    assert fresh.layers[2].is_initialized
+    # no module with a layer_idx: every layer kept
+    whole = CacheCopies.of((), {"past_key_values": cache}, modules=torch.nn.Linear(1, 1).modules)
+    fresh = whole.fresh(*whole.stand_ins((), {"past_key_values": cache}))[1]["past_key_values"]
+    assert fresh.layers[2].keys is cache.layers[2].keys

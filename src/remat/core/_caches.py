@@ -19,6 +19,23 @@ dropped. Bit-equal to the step without checkpointing, cache on (``tests/core/tes
 A cache class that writes its tensors in place (``StaticCache``, made for generation) is
 copied the same way, so a recomputation rewrites the values the forward wrote there.
 
+NOTE [A cache copy keeps only its call's layers]
+A copy that kept every layer of the cache would hold, until the call's backward, the tensors
+other layers' calls later replace: peft's prefix tuning hands each layer separate prefix keys
+and values, which the step without checkpointing frees once that layer's ``update`` concatenates
+them, and a checkpointed first layer kept the three later layers' prefixes (Llama, 4 layers:
+24,576 B over the predicted peak). transformers indexes a cache by the ``layer_idx`` of the
+attention module that calls it, so a copy keeps, of each ``layers`` list, the entries whose
+index a module of the call carries (none carried: every entry). Any other entry keeps its
+tensors by weak reference: transformers' attention reads only its own ``layer_idx``'s entry, and
+a read of another finds the tensor the forward read while it is alive, or raises a
+``RematError`` where it is gone (a later layer's prefix, replaced), never another tensor and a
+wrong gradient. Nor does the call's region hold the user's cache (it holds the copy in its
+place): held, the cache kept every tensor later calls added to it until the region's backward
+(each later layer's keys and values, 40,960 B each on that Llama). The profile counts what a
+copy keeps among the call's inputs (``remat.profiling._crossing_ledger``), so a nested
+segment, which keeps its blocks' entries until its backward, is predicted with them.
+
 Only instances of ``transformers.cache_utils.Cache`` are copied, and only once transformers is
 imported: nothing is walked for a call without one. ``remat.apply`` still turns ``use_cache``
 off (``remat.core._hf``): a cache keeps every layer's keys and values for the whole step, which
@@ -28,11 +45,16 @@ a plan made to save memory should not keep.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+
+from remat.errors import RematError
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, type, torch.Tensor, torch.device, torch.dtype, nn.Module)
 _DEPTH = 8
@@ -57,7 +79,7 @@ def _find(tree: Any, kind: type, out: dict[int, Any]) -> None:
 
 def _sharing_tensors(obj: Any, memo: dict[int, Any], depth: int = 0) -> Any:
     """A copy of ``obj``'s containers and plain objects; tensors, modules, classes and scalars shared."""
-    if isinstance(obj, _ATOMS) or depth > _DEPTH:
+    if isinstance(obj, (*_ATOMS, _Elsewhere)) or depth > _DEPTH:
         return obj
     if id(obj) in memo:
         return memo[id(obj)]
@@ -79,27 +101,144 @@ def _sharing_tensors(obj: Any, memo: dict[int, Any], depth: int = 0) -> Any:
     return new
 
 
-def _replace(tree: Any, copies: dict[int, Any]) -> Any:
-    if id(tree) in copies:
-        return _sharing_tensors(copies[id(tree)], {})
+class _Elsewhere:
+    """A layer of the cache another call owns: its structure as this call's forward found it, its tensors only
+    by weak reference (NOTE [A cache copy keeps only its call's layers])."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = _sharing_tensors(layer, {})
+        self.refs = {name: weakref.ref(v) for name, v in vars(self.layer).items() if _is_tensor(v)}
+        for name in self.refs:
+            vars(self.layer)[name] = None
+
+    def now(self) -> Any:
+        """The layer the forward found, with those of its tensors no longer alive made unreadable."""
+        layer = _sharing_tensors(self.layer, {})
+        for name, ref in self.refs.items():
+            vars(layer)[name] = ref()
+        gone = tuple(name for name, ref in self.refs.items() if vars(layer)[name] is None)
+        if gone:
+            layer.__class__ = _unreadable(type(layer), gone)
+        return layer
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+_UNREADABLE: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _unreadable(kind: type, names: tuple[str, ...]) -> type:
+    def refuse(name: str) -> Any:
+        raise RematError(
+            f"remat.checkpoint: a recomputation read {name} of a {kind.__name__} of the key/value cache that no "
+            "module of the call carries the layer_idx of, and the tensor its forward read there is gone: remat "
+            "keeps only the layers the call's modules index (NOTE [A cache copy keeps only its call's layers] in "
+            "remat.core._caches). Checkpoint a module that holds every attention it reads, or turn the cache off."
+        )
+
+    if (kind, names) not in _UNREADABLE:
+        fields = {name: property(functools.partial(_refused, refuse, name)) for name in names}
+        _UNREADABLE[kind, names] = type(f"Unreadable{kind.__name__}", (kind,), fields)
+    return _UNREADABLE[kind, names]
+
+
+def _refused(refuse: Callable[[str], Any], name: str, layer: Any) -> Any:
+    return refuse(name)
+
+
+def _inner_caches(cache: Any, kind: type) -> list[Any]:
+    """The cache and the caches it holds as attributes (an encoder-decoder cache's two)."""
+    return [cache, *(value for value in vars(cache).values() if isinstance(value, kind))]
+
+
+def _keep_own_layers(found: Any, memo: dict[int, Any], kind: type, indices: frozenset[int]) -> None:
+    for real in _inner_caches(found, kind):
+        layers = getattr(real, "layers", None)
+        if type(layers) is list and id(real) in memo:
+            own = memo[id(real)].layers
+            for j in range(len(layers)):
+                if j not in indices:
+                    own[j] = _Elsewhere(layers[j])
+
+
+def _copy_of(cache: Any, kind: type, indices: frozenset[int] | None) -> Any:
+    memo: dict[int, Any] = {}
+    saved = _sharing_tensors(cache, memo)
+    if indices is not None:
+        _keep_own_layers(cache, memo, kind, indices)
+    return saved
+
+
+def _fresh_copy(saved: Any) -> Any:
+    new = _sharing_tensors(saved, {})
+    kind = _cache_class()
+    for inner in _inner_caches(new, kind) if kind is not None else ():
+        layers = getattr(inner, "layers", None)
+        if type(layers) is list:
+            layers[:] = [item.now() if isinstance(item, _Elsewhere) else item for item in layers]
+    return new
+
+
+def _layer_indices(modules: Iterable[nn.Module] | None) -> frozenset[int] | None:
+    """The ``layer_idx`` the call's modules carry; None where there is none (the copy keeps every layer)."""
+    if modules is None:
+        return None
+    found = frozenset(index for m in modules if type(index := getattr(m, "layer_idx", None)) is int)
+    return found or None
+
+
+def _swap(tree: Any, targets: dict[int, Any], make: Callable[[Any], Any]) -> Any:
+    """``tree`` with each object whose id is in ``targets`` replaced by ``make`` of its entry."""
+    if id(tree) in targets:
+        return make(targets[id(tree)])
     kind = type(tree)
     if kind in (tuple, list):
-        items = [_replace(item, copies) for item in tree]
+        items = [_swap(item, targets, make) for item in tree]
         return items if kind is list else tuple(items)
     if kind is dict:
-        return {key: _replace(value, copies) for key, value in tree.items()}
+        return {key: _swap(value, targets, make) for key, value in tree.items()}
     return tree
 
 
-class CacheCopies:
-    """The caches among one call's arguments, as the call found them (NOTE [Caches in recomputation])."""
+def _same(value: Any) -> Any:
+    return value
 
-    def __init__(self, copies: dict[int, Any]) -> None:
+
+def _tensors_kept(tree: Any, out: list[torch.Tensor], seen: set[int], depth: int = 0) -> None:
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (*_ATOMS, _Elsewhere)) or depth > _DEPTH or id(tree) in seen:
+        return
+    else:
+        seen.add(id(tree))
+        kind = type(tree)
+        items = tree if kind in (list, tuple) else tree.values() if kind is dict else vars(tree).values()
+        for item in items if kind in (list, tuple, dict) or hasattr(tree, "__dict__") else ():
+            _tensors_kept(item, out, seen, depth + 1)
+
+
+class CacheCopies:
+    """The caches among one call's arguments, as the call found them (NOTE [Caches in recomputation]).
+
+    The call's region holds each copy in its cache's place (:meth:`stand_ins`), not the user's cache: held, that
+    would keep every tensor later calls add to it until the region's backward, where the step without
+    checkpointing lets go of a recomputation's cache with the recomputation."""
+
+    def __init__(self, copies: dict[int, Any], originals: dict[int, Any]) -> None:
         self._copies = copies
+        """id(user's cache) -> its copy."""
+        self._originals = originals
+        """id(copy) -> the user's cache, until the forward has run with it."""
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> CacheCopies | None:
-        """None where no argument (or item of a tuple, list or dict argument) is a cache."""
+    def of(
+        cls, args: tuple, kwargs: dict, modules: Callable[[], Iterable[nn.Module] | None] | None = None
+    ) -> CacheCopies | None:
+        """None where no argument (or item of a tuple, list or dict argument) is a cache; ``modules``: gives those
+        the call runs (NOTE [A cache copy keeps only its call's layers]), None for every layer; called only where
+        there is a cache (a generator breaks torch.compile's graph)."""
         kind = _cache_class()
         if kind is None:
             return None
@@ -107,8 +246,28 @@ class CacheCopies:
         _find((args, kwargs), kind, found)
         if not found:
             return None
-        return cls({key: _sharing_tensors(cache, {}) for key, cache in found.items()})
+        indices = _layer_indices(modules() if modules is not None else None)
+        copies = {key: _copy_of(cache, kind, indices) for key, cache in found.items()}
+        return cls(copies, {id(copies[key]): cache for key, cache in found.items()})
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the copies keep until the call's backward: a profile counts them as the call's inputs."""
+        out: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for saved in self._copies.values():
+            _tensors_kept(saved, out, seen)
+        return out
+
+    def stand_ins(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with each cache replaced by its copy, for the region to hold."""
+        return _swap(args, self._copies, _same), _swap(kwargs, self._copies, _same)
+
+    def originals(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Stand-ins replaced by the user's caches, for the forward (once: the copy then forgets them)."""
+        originals, self._originals = self._originals, {}
+        return _swap(args, originals, _same), _swap(kwargs, originals, _same)
 
     def fresh(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` with each cache replaced by a new copy of the one the call found."""
-        return _replace(args, self._copies), _replace(kwargs, self._copies)
+        """Stand-ins replaced by new copies of the caches the call found, for a recomputation."""
+        saved = {id(copy): copy for copy in self._copies.values()}
+        return _swap(args, saved, _fresh_copy), _swap(kwargs, saved, _fresh_copy)

@@ -162,8 +162,9 @@ class _Run(PicklesBoundMethods):
     """Runs items (blocks, nested segments) as a chain; one persistent object per segment, so that remat's
     checkpoint remembers what its first forward wrote (NOTE [Watching only when needed])."""
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: list[Any], blocks: list[nn.Module]) -> None:
         self.items = items
+        self.blocks = blocks
 
     def __call__(self, x: Any, *rest: Any, **kwargs: Any) -> Any:
         for item in self.items[:-1]:
@@ -171,6 +172,10 @@ class _Run(PicklesBoundMethods):
             x, _ = _hand_off(out)
         last = self.items[-1]
         return checkpoint(last, x, *rest, **kwargs) if isinstance(last, _Run) else last(x, *rest, **kwargs)
+
+    def modules_run(self) -> list[nn.Module]:
+        """Every module the segment's blocks hold (NOTE [A cache copy keeps only its call's layers])."""
+        return [m for block in self.blocks for m in block.modules()]
 
 
 def _hand_off(out: Any) -> tuple[torch.Tensor, tuple | None]:
@@ -264,7 +269,7 @@ def _items(
         inner = [(a, b) for a, b in spans if a == i and b <= hi and (a, b) != (lo, hi)]
         if inner:
             a, b = inner[0]
-            items.append(_Run(_items(modules, spans, a, b, order, names)))
+            items.append(_Run(_items(modules, spans, a, b, order, names), modules[a : b + 1]))
             i = b + 1
         else:
             items.append(_block_item(modules[i], order[i], names))
@@ -299,7 +304,7 @@ def schedule_segments(
     heads = []
     for a, b in outer:
         names = list(order[a : b + 1])
-        head = _Head(modules[a], _Run(_items(modules, spans, a, b, order, names)), names)
+        head = _Head(modules[a], _Run(_items(modules, spans, a, b, order, names), modules[a : b + 1]), names)
         heads.append((modules[a], head, [(modules[k], _Skip(modules[k], head, order[k])) for k in range(a + 1, b + 1)]))
     for module, head, skips in heads:  # everything built: now install, all at once
         module.forward = head

@@ -111,6 +111,14 @@ def _run_uncompiled(
 # saved-tensor hooks are active the inputs also go to torch as tensor arguments and
 # the region lets go of them after the forward, taking them back from torch in
 # recomputation. Hooks unpack without a version check, so in-place writes still work.
+def _modules_run(fn: Callable, owner: nn.Module | None) -> Any:
+    """The modules a call runs, where known: its own module's, or a nested segment's blocks'."""
+    if owner is not None:
+        return owner.modules()
+    modules_run = getattr(fn, "modules_run", None)
+    return modules_run() if callable(modules_run) else None
+
+
 def _inside_saved_tensor_hooks() -> bool:
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top is not None and top(False) is not None
@@ -136,9 +144,11 @@ def _run_checkpointed(
         if regions is None:
             recorder = StructureRecorder(owner, SAVE_OPS.__contains__)
     learned, remember = learned_memo(fn)
+    caches = CacheCopies.of(args, kwargs, lambda: _modules_run(fn, owner))  # NOTE [Caches in recomputation] in _caches
+    if caches is not None:
+        args, kwargs = caches.stand_ins(args, kwargs)
     region = Region(args, kwargs, learned, owner)
     host = HostDraws(*learned_memo(fn, HOST_DRAWS), fn) if preserve_rng_state else None
-    caches = CacheCopies.of(args, kwargs)  # NOTE [Caches in recomputation] in remat.core._caches
     policy_fn = policy_function(policy)
     phase = {"forward": True}
 
@@ -154,9 +164,12 @@ def _run_checkpointed(
     def run(_holder: Region, *tensors: torch.Tensor) -> Any:
         if phase["forward"]:
             phase["forward"] = False
+            fargs, fkwargs = (
+                (region.args, region.kwargs) if caches is None else caches.originals(region.args, region.kwargs)
+            )
             if host is None:
-                return fn(*region.args, **region.kwargs)
-            return host.forward(lambda: fn(*region.args, **region.kwargs))  # NOTE [Host generators in recomputation]
+                return fn(*fargs, **fkwargs)
+            return host.forward(lambda: fn(*fargs, **fkwargs))  # NOTE [Host generators in recomputation]
         if nested:
             region.restore_inputs(tensors[len(markers) :])
         rargs, rkwargs = region.recompute_inputs()

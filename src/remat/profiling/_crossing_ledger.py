@@ -7,7 +7,9 @@ from collections.abc import Callable, Container
 from typing import Any
 
 import torch
+from torch import nn
 
+from remat.core._caches import CacheCopies
 from remat.core._memtrack import StorageTracker, op_tensors, storages
 from remat.profiling._segment import Segment, tensors_in
 
@@ -51,13 +53,16 @@ class CrossingLedger:
         self._arguments: list[Any] = []
         """Those arguments, kept to the step's end: their identities stay theirs."""
 
-    def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict) -> None:
+    def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict, module: nn.Module) -> None:
         if block not in self.call_forms:
             self.call_forms[block], kept = call_form(args, kwargs)
             self._arguments.append(kept)
         if self.tracker is None:
             return
-        for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs)):
+        # what a checkpointed call keeps of a cache it is handed (NOTE [A cache copy keeps only its call's layers])
+        copies = CacheCopies.of(args, kwargs, module.modules)
+        held = copies.tensors() if copies is not None else []
+        for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs, held)):
             self.crossings[ident]["receivers"].append(("fwd", block, occurrence))
 
     def note_outputs(self, block: str, occurrence: int, output: Any, outs: list) -> None:

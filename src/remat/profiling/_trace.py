@@ -262,7 +262,7 @@ class SegmentRecorder:
             seg = self._current
             if seg is None:
                 raise RuntimeError("begin() opens a segment")
-            self.ledger.note_inputs(name, seg.occurrence, args, kwargs)
+            self.ledger.note_inputs(name, seg.occurrence, args, kwargs, module)
             seg.without_grad = not torch.is_grad_enabled()
             if self.tracker is not None:
                 self._call_inputs = {st._cdata for t in tensors_in((args, kwargs)) for st in storages(t)}
