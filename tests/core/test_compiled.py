@@ -240,6 +240,45 @@ def test_batchnorm_statistics_update_once_per_compiled_step():
     assert_grads_equal(ref, model)
 
 
+_CALLS = {"active": None, "count": 0}
+
+
+class Counted(nn.Module):
+    """Sets and resets a module-global around its work, as transformers 5.25's kernelized attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        before, _CALLS["active"] = _CALLS["active"], self
+        _CALLS["count"] += 1
+        try:
+            return torch.tanh(self.lin(x))
+        finally:
+            _CALLS["active"] = before
+
+
+def test_a_block_that_writes_python_state_compiles_whole_and_writes_it_once():
+    # NOTE [Python side effects in a compiled block] in remat.core._compiled: dynamo refused such a block in
+    # torch's checkpoint operator, and remat ran it eagerly (graph breaks)
+    ref = nn.Sequential(Counted(), Counted(), nn.Linear(8, 1))
+    model = twin(ref)
+    for block, policy in zip(model[:2], ("full", "selective")):
+        remat.wrap(block, policy=policy)
+    x = torch.randn(4, 8)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        _CALLS["count"] = 0
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x).sum().backward()
+    assert _CALLS["count"] == 2 and _CALLS["active"] is None  # once per block and step, reset after
+    torch.compile(ref, backend="aot_eager", fullgraph=True)(x).sum().backward()
+    assert_grads_equal(ref, model)
+
+
 def test_autocast_and_keyword_arguments_under_compile():
     ref = Stack()
     model = twin(ref)

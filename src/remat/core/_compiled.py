@@ -33,6 +33,19 @@ with ``aot_eager`` or inductor (the default).
 the backward graph, no Python runs), and the region's check of in-place writes to the
 block's inputs does not exist here: torch's functionalization handles such writes.
 
+NOTE [Python side effects in a compiled block]
+A block whose Python code writes state outside itself is refused by torch's checkpoint
+operator under dynamo by default ("HOP: Unsafe side effect"), since the eager checkpoint
+reruns that code in backward and a compiled backward cannot: transformers 5.25 routes
+Llama's attention through the ``kernels`` package's ``use_kernelized_func``, which sets and
+resets a module-global context variable on every call, and every checkpointed Llama layer
+ran eagerly (a 2-layer Llama: 4 graph breaks; torch's own checkpoint: 3). A recomputation
+that does again what its forward did is what remat's region exists to prevent (buffers,
+generators), and torch's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` applies such
+writes once, in the forward: so remat turns it on when it first checkpoints anything in
+eager code (``remat.wrap``, ``remat.apply``, an eager ``remat.checkpoint``). It is a
+process-wide dynamo setting, which torch's own checkpoint then follows too.
+
 No silent eager fallback: when dynamo cannot trace a block (a graph break inside
 it), it runs torch's checkpoint eagerly, which would update buffers twice. The
 ``context_fn`` sees that (it is called outside compilation) and stops the call before
@@ -57,7 +70,7 @@ from torch.utils.checkpoint import (
     checkpoint as _torch_checkpoint,
 )
 
-__all__ = ["run_compiled", "eager_module", "quiet_torch_notice"]
+__all__ = ["run_compiled", "eager_module", "prepare_compile"]
 
 
 class _NotTraced(Exception):
@@ -117,24 +130,29 @@ def _not_context_fn_notice(record: logging.LogRecord) -> bool:
     return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in str(record.msg)
 
 
-def quiet_torch_notice() -> None:
-    """Drop torch's one-time log line about ``context_fn`` under compile (in-place ops in the region).
+def prepare_compile() -> None:
+    """Settle, once per process, what torch.compile needs of remat's blocks.
 
-    remat passes a ``context_fn`` for every block; in-place ops inside a compiled block
-    are functionalized and tested (tests/core/test_compiled.py), so the line only
-    worries the user. Called from eager code (wrap, an eager checkpoint): a filter added
-    while dynamo traces would be a graph break.
+    Drops torch's one-time log line about ``context_fn`` under compile (in-place ops in the region): remat
+    passes a ``context_fn`` for every block, and in-place ops inside a compiled block are functionalized and
+    tested (tests/core/test_compiled.py), so the line only worries the user. Lets a block's Python side effects
+    be applied once, in forward (NOTE [Python side effects in a compiled block]). Called from eager code (wrap,
+    an eager checkpoint): either, done while dynamo traces, would be a graph break.
     """
-    global _quieted
-    if _quieted:  # once per process: getLogger on every block call is measurable host time
+    global _prepared
+    if _prepared:  # once per process: getLogger on every block call is measurable host time
         return
     logger = logging.getLogger("torch._higher_order_ops.wrap")
     if _not_context_fn_notice not in logger.filters:
         logger.addFilter(_not_context_fn_notice)
-    _quieted = True
+    import torch._dynamo.config as dynamo_config
+
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    _prepared = True
 
 
-_quieted = False
+_prepared = False
 
 
 def run_compiled(

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
 from remat.core._bound import PicklesBoundMethods
 from remat.core._by_module import StructureRecorder, remember_learned, run_by_module
 from remat.core._caches import CacheCopies
-from remat.core._compiled import quiet_torch_notice, run_compiled
+from remat.core._compiled import prepare_compile, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, Stacked, policy_contexts
 from remat.core._functorch import active_transforms, run_under_transform
 from remat.core._host_rng import HOST_DRAWS, HostDraws, _name_of
@@ -336,7 +336,7 @@ def _checkpoint_call(
     if torch.compiler.is_compiling():
         eager = functools.partial(_run_uncompiled, fn, policy, preserve_rng_state, args, kwargs, options)
         return run_compiled(fn, compiled_policy_function(policy), args, kwargs, eager=eager)  # NOTE in core/_compiled
-    quiet_torch_notice()
+    prepare_compile()
     transforms = active_transforms()
     if transforms:  # NOTE [Under torch.func transforms] in remat.core._functorch
         return run_under_transform(
@@ -388,7 +388,7 @@ def wrap(module: nn.Module, *, policy: str = FULL, preserve_rng_state: bool = Tr
     if policy not in POLICIES:
         raise RematError(f"remat.wrap: policy must be one of {POLICIES}, got {policy!r}.")
     unwrap(module)
-    quiet_torch_notice()
+    prepare_compile()
     if policy != KEEP:
         previous = module.__dict__.get("forward")
         module.forward = _CheckpointedForward(module, policy, preserve_rng_state, previous)

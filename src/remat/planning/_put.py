@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from remat.core._compiled import eager_module
+from remat.core._compiled import eager_module, prepare_compile
 from remat.core._conflicts import check_no_double_checkpointing
 from remat.core._fine import FINE, unwrap_fine, wrap_fine
 from remat.core._hf import disable_cache, restore_cache
@@ -22,6 +22,7 @@ def put(model: nn.Module, plan: Plan) -> None:
     """Checkpoint ``model``'s blocks as ``plan`` says; on any failure (an interrupt too) nothing stays on."""
     # NOTE [Segments own nothing]: a traced model's segments are rebuilt from the plan's names
     installed = is_traced_plan(plan.assignment) and install_from_names(model, plan.assignment, training=plan.training)
+    prepare_compile()  # segments alone wrap nothing, and the model may be compiled before its first eager call
     try:
         _put(model, plan)
     except BaseException:
