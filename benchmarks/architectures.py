@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.core._hf import disable_cache
 
 BATCH, SEQ, VOCAB = 4, 128, 256
 Built = tuple[nn.Module, dict[str, Any]]
@@ -464,12 +465,9 @@ def _step(model: nn.Module, batch: dict[str, Any], loss_fn: Loss, seed: int = 7)
 
 
 def _cache_off(model: nn.Module) -> nn.Module:
-    """``model`` with ``use_cache`` off on every config, as ``remat.apply`` sets it: with transformers 4.57 that
-    alone changes the rounding of a Llama's gradients (docs/planning.md)."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False):
-            config.use_cache = False
+    """``model`` with ``use_cache`` off on every config, nested ones too, as ``remat.apply`` sets it: with
+    transformers 4.57 that alone changes the rounding of a Llama's gradients (docs/planning.md)."""
+    disable_cache(model)
     return model
 
 

@@ -39,7 +39,7 @@ operator under dynamo by default ("HOP: Unsafe side effect"), since the eager ch
 reruns that code in backward and a compiled backward cannot: transformers 5.25 routes
 Llama's attention through the ``kernels`` package's ``use_kernelized_func``, which sets and
 resets a module-global context variable on every call, and every checkpointed Llama layer
-ran eagerly (a 2-layer Llama: 4 graph breaks; torch's own checkpoint: 3). A recomputation
+ran eagerly (a 3-layer Llama: 4 graph breaks; torch's own checkpoint: 3). A recomputation
 that does again what its forward did is what remat's region exists to prevent (buffers,
 generators), and torch's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` applies such
 writes once, in the forward: so remat turns it on when it first checkpoints anything in

@@ -313,7 +313,9 @@ def _undo_free(out: dict[int, tuple[int, int]], i: int, o: Shared, run: int, und
     out[i] = (d + o.nbytes, max(least, o.after[run] + d + o.nbytes))
 
 
-def _outputs_owned(c: Costs, tree: Tree, walk: Walk, out: dict[int, tuple[int, int]], undone: set) -> None:
+def _outputs_owned(
+    c: Costs, tree: Tree, walk: Walk, out: dict[int, tuple[int, int]], undone: set[tuple[int, int]]
+) -> None:
     """A block outside segments that holds its own output until its backward, freed earlier by a step of another
     run (NOTE [An output its block holds, freed by another run])."""
     if c.holds is None:
@@ -334,7 +336,9 @@ def _outputs_owned(c: Costs, tree: Tree, walk: Walk, out: dict[int, tuple[int, i
             _undo_free(out, i, o, step.run, undone)
 
 
-def _inputs_held(c: Costs, tree: Tree, walk: Walk, out: dict[int, tuple[int, int]], undone: set) -> None:
+def _inputs_held(
+    c: Costs, tree: Tree, walk: Walk, out: dict[int, tuple[int, int]], undone: set[tuple[int, int]]
+) -> None:
     """Block k-1's output held past a run's free of it by a segment that begins at block k, from the segment's
     forward (the depth-th forward of block k in the walk), or by block k itself from its last forward (NOTE [An
     input its block holds until its backward]); block k's backward frees it where its run did not (a block
