@@ -170,7 +170,10 @@ def test_a_checkpointed_layer_keeps_no_later_layers_prefix():
         finally:
             for layer in wrapped:
                 remat.unwrap(layer)
-        assert measured <= profile.predict_peak(assignment), combo  # fkkk: 24,576 B over before
+        predicted = profile.predict_peak(assignment)
+        # fkkk: 24,576 B over before; each full layer 40,960 B (its keys, values) under while the profile held the
+        # cache to the step's end (NOTE [Arguments a segment hands on])
+        assert measured <= predicted < measured + 8192, combo
         assert_grads_equal(reference, model)
         model.zero_grad(set_to_none=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -1014,3 +1015,47 @@ def test_every_hand_made_segment_over_a_conv_chain_of_in_place_relus_is_predicte
     spans = [((names[i], names[j]),) for i in range(6) for j in range(i + 1, 7)]
     for span, (predicted, measured) in zip(spans, _hand_made(model, x, prof, shapes), strict=True):
         assert measured <= predicted, (span, predicted, measured)
+
+
+class _Memory:
+    """An argument every block reads that is not a tensor (a key/value cache is one)."""
+
+    def __init__(self, d: int) -> None:
+        self.table = torch.randn(d)
+
+
+class _ReadsMemory(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, memory: _Memory) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + memory.table)
+
+
+class _MemoryChain(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ReadsMemory(d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = _Memory(x.shape[-1])
+        self.seen = weakref.ref(memory)
+        for block in self.blocks:
+            x = block(x, memory)
+        return x.square().mean()
+
+
+def test_a_segment_keeps_no_argument_past_the_step():
+    # the segment's head checks the next blocks' arguments by identity; it held a non-tensor one until the next
+    # step, and with it what it holds (a key/value cache: every layer's keys and values, through the backward)
+    torch.manual_seed(0)
+    model, x = _MemoryChain(), torch.randn(4, 8)
+    none = remat.plan(remat.profile(model, x, repeat=1, warmup=0), strategy="none")
+    plan = replace(none, assignment={**none.assignment, "blocks.1": "full"}, segments=(("blocks.0", "blocks.1"),))
+    remat.apply(model, plan)
+    try:
+        model(x).backward()
+        assert model.seen() is None
+    finally:
+        remat.remove(model)

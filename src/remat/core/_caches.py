@@ -32,7 +32,10 @@ a read of another finds the tensor the forward read while it is alive, or raises
 ``RematError`` where it is gone (a later layer's prefix, replaced), never another tensor and a
 wrong gradient. Nor does the call's region hold the user's cache (it holds the copy in its
 place): held, the cache kept every tensor later calls added to it until the region's backward
-(each later layer's keys and values, 40,960 B each on that Llama). The profile counts what a
+(each later layer's keys and values, 40,960 B each on that Llama). A nested segment's head
+checks the next blocks' arguments by weak reference, and the profile's record of how blocks
+are called keeps no cache (``remat.profiling._crossing_ledger.call_form``): each held the
+user's cache past the forward, the head into the next step. The profile counts what a
 copy keeps among the call's inputs (``remat.profiling._crossing_ledger``), so a nested
 segment, which keeps its blocks' entries until its backward, is predicted with them.
 
@@ -217,6 +220,16 @@ def _tensors_kept(tree: Any, out: list[torch.Tensor], seen: set[int], depth: int
         items = tree if kind in (list, tuple) else tree.values() if kind is dict else vars(tree).values()
         for item in items if kind in (list, tuple, dict) or hasattr(tree, "__dict__") else ():
             _tensors_kept(item, out, seen, depth + 1)
+
+
+def holds_cache(value: Any) -> bool:
+    """Whether ``value`` is a cache or a tuple, list or dict holding one."""
+    kind = _cache_class()
+    if kind is None:
+        return False
+    found: dict[int, Any] = {}
+    _find(value, kind, found)
+    return bool(found)
 
 
 class CacheCopies:

@@ -93,9 +93,13 @@ class _Held:
 
 
 def _weakly(value: Any) -> Callable[[], Any]:
-    """A tensor by weak reference: the check of the next call needs its identity, not to keep it alive past the
-    step (an encoder's states handed to every block stayed alive until the next step's segment ran)."""
-    return weakref.ref(value) if isinstance(value, torch.Tensor) else _Held(value)
+    """A value by weak reference where it takes one: the check of the next call needs its identity, not to keep
+    it alive past the step (an encoder's states handed to every block stayed alive until the next step's segment
+    ran; a key/value cache, every layer's keys and values). A value gone by then is not the one the call gets."""
+    try:
+        return weakref.ref(value)
+    except TypeError:  # None, numbers, strings, tuples: nothing a step frees
+        return _Held(value)
 
 
 def _global_pre_hooks() -> dict:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.core._caches import CacheCopies
+from remat.core._caches import CacheCopies, holds_cache
 from remat.core._memtrack import StorageTracker, op_tensors, storages
 from remat.profiling._segment import Segment, tensors_in
 
@@ -19,9 +19,10 @@ def call_form(args: tuple, kwargs: dict) -> tuple[tuple, list]:
     the crossings follow: the number of positional arguments, the keywords, and every other value by identity, as
     ``remat.core._segment`` compares a segment's calls (NOTE [Arguments a segment hands on]); and the values to
     keep alive until the step ends, so that no other object takes an identity meanwhile. A value holding tensors
-    is not kept: that would keep its tensors, and change the step's memory."""
+    is not kept: that would keep its tensors, and change the step's memory (a key/value cache holds every layer's
+    keys and values, which the step without it lets go of with the cache)."""
     values = (*args[1:], *(kwargs[k] for k in sorted(kwargs)))
-    kept = [v for v in values if not isinstance(v, torch.Tensor) and not tensors_in(v)]
+    kept = [v for v in values if not isinstance(v, torch.Tensor) and not tensors_in(v) and not holds_cache(v)]
     identities = tuple(None if isinstance(v, torch.Tensor) else id(v) for v in values)
     return (len(args), tuple(sorted(kwargs)), identities), kept
 
