@@ -110,7 +110,7 @@ class _Elsewhere:
 
     def __init__(self, layer: Any) -> None:
         self.layer = _sharing_tensors(layer, {})
-        self.refs = {name: weakref.ref(v) for name, v in vars(self.layer).items() if _is_tensor(v)}
+        self.refs = {name: weakref.ref(v) for name, v in vars(self.layer).items() if isinstance(v, torch.Tensor)}
         for name in self.refs:
             vars(self.layer)[name] = None
 
@@ -125,41 +125,35 @@ class _Elsewhere:
         return layer
 
 
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
 _UNREADABLE: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def _unreadable(kind: type, names: tuple[str, ...]) -> type:
-    def refuse(name: str) -> Any:
-        raise RematError(
-            f"remat.checkpoint: a recomputation read {name} of a {kind.__name__} of the key/value cache that no "
-            "module of the call carries the layer_idx of, and the tensor its forward read there is gone: remat "
-            "keeps only the layers the call's modules index (NOTE [A cache copy keeps only its call's layers] in "
-            "remat.core._caches). Checkpoint a module that holds every attention it reads, or turn the cache off."
-        )
-
     if (kind, names) not in _UNREADABLE:
-        fields = {name: property(functools.partial(_refused, refuse, name)) for name in names}
+        fields = {name: property(functools.partial(_refuse, kind.__name__, name)) for name in names}
         _UNREADABLE[kind, names] = type(f"Unreadable{kind.__name__}", (kind,), fields)
     return _UNREADABLE[kind, names]
 
 
-def _refused(refuse: Callable[[str], Any], name: str, layer: Any) -> Any:
-    return refuse(name)
+def _refuse(kind: str, name: str, layer: Any) -> Any:
+    raise RematError(
+        f"remat.checkpoint: a recomputation read {name} of a {kind} of the key/value cache that no module of the "
+        "call carries the layer_idx of, and the tensor its forward read there is gone: remat keeps only the layers "
+        "the call's modules index (NOTE [A cache copy keeps only its call's layers] in remat.core._caches). "
+        "Checkpoint a module that holds every attention it reads, or turn the cache off."
+    )
 
 
-def _inner_caches(cache: Any, kind: type) -> list[Any]:
-    """The cache and the caches it holds as attributes (an encoder-decoder cache's two)."""
-    return [cache, *(value for value in vars(cache).values() if isinstance(value, kind))]
+def _layer_lists(cache: Any, kind: type) -> list[tuple[Any, list]]:
+    """(cache, its ``layers`` list) for the cache and each cache it holds as an attribute (an encoder-decoder
+    cache's two)."""
+    inner = [cache, *(value for value in vars(cache).values() if isinstance(value, kind))]
+    return [(c, layers) for c in inner if type(layers := getattr(c, "layers", None)) is list]
 
 
 def _keep_own_layers(found: Any, memo: dict[int, Any], kind: type, indices: frozenset[int]) -> None:
-    for real in _inner_caches(found, kind):
-        layers = getattr(real, "layers", None)
-        if type(layers) is list and id(real) in memo:
+    for real, layers in _layer_lists(found, kind):
+        if id(real) in memo:
             own = memo[id(real)].layers
             for j in range(len(layers)):
                 if j not in indices:
@@ -177,10 +171,8 @@ def _copy_of(cache: Any, kind: type, indices: frozenset[int] | None) -> Any:
 def _fresh_copy(saved: Any) -> Any:
     new = _sharing_tensors(saved, {})
     kind = _cache_class()
-    for inner in _inner_caches(new, kind) if kind is not None else ():
-        layers = getattr(inner, "layers", None)
-        if type(layers) is list:
-            layers[:] = [item.now() if isinstance(item, _Elsewhere) else item for item in layers]
+    for _, layers in _layer_lists(new, kind) if kind is not None else ():
+        layers[:] = [item.now() if isinstance(item, _Elsewhere) else item for item in layers]
     return new
 
 
@@ -222,14 +214,18 @@ def _tensors_kept(tree: Any, out: list[torch.Tensor], seen: set[int], depth: int
             _tensors_kept(item, out, seen, depth + 1)
 
 
+def _caches_in(value: Any) -> dict[int, Any]:
+    """The caches ``value`` is or holds in tuples, lists and dicts, by id; none before transformers is imported."""
+    found: dict[int, Any] = {}
+    kind = _cache_class()
+    if kind is not None:
+        _find(value, kind, found)
+    return found
+
+
 def holds_cache(value: Any) -> bool:
     """Whether ``value`` is a cache or a tuple, list or dict holding one."""
-    kind = _cache_class()
-    if kind is None:
-        return False
-    found: dict[int, Any] = {}
-    _find(value, kind, found)
-    return bool(found)
+    return bool(_caches_in(value))
 
 
 class CacheCopies:
@@ -252,12 +248,9 @@ class CacheCopies:
         """None where no argument (or item of a tuple, list or dict argument) is a cache; ``modules``: gives those
         the call runs (NOTE [A cache copy keeps only its call's layers]), None for every layer; called only where
         there is a cache (a generator breaks torch.compile's graph)."""
+        found = _caches_in((args, kwargs))
         kind = _cache_class()
-        if kind is None:
-            return None
-        found: dict[int, Any] = {}
-        _find((args, kwargs), kind, found)
-        if not found:
+        if not found or kind is None:
             return None
         indices = _layer_indices(modules() if modules is not None else None)
         copies = {key: _copy_of(cache, kind, indices) for key, cache in found.items()}
