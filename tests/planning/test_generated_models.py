@@ -100,12 +100,12 @@ KNOWN = {
     23: "NEW (23): remat.auto at the nested floor of a chain whose last block returns an aux loss: the floor's "
     "plan ends a segment at that block, which a segment cannot run: refused without measuring",
 }
-#: Fixed: every one but (21), which the planner never makes (NOTE [A block whose backward begins early] in
-#: remat.planning._nested; its case from the planner is (22)). Hand-built plans with selective blocks (6) or
-#: input writers (14, 18: the chain's own input) inside a segment are predicted on the safe side (the planner
-#: keeps selective blocks out of segments, and begins or ends none at a writer); one over a block whose output
-#: the parent reads elsewhere (17) or writes in place (1) is refused by remat.apply.
-OPEN = set(KNOWN) - set(range(1, 21)) - {22, 23}
+#: Fixed: every one. Hand-built plans with selective blocks (6) or input writers (14, 18: the chain's own input)
+#: inside a segment are predicted on the safe side (the planner keeps selective blocks out of segments, and begins
+#: or ends none at a writer); one over a block whose output the parent reads elsewhere (17) or writes in place (1)
+#: is refused by remat.apply. (21), a plan by hand, is predicted exactly (NOTE [A block whose backward begins
+#: early] in remat.planning._nested_early); the planner keeps such a block out of nested plans' checkpoints.
+OPEN: set[int] = set(KNOWN) - set(range(1, 24))
 TOLERANCE = 0.005
 FAST_EXAMPLES = 20
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -396,8 +396,8 @@ FOUND = {
     23: (spec([{}, {"aux": True}]), {"points": [0.0], "autos": 2}),
 }
 
-#: Open bugs whose waiver would excuse this fixed bug's example too.
-MASKING = {22: {21}}
+#: Open bugs whose waiver would excuse this fixed bug's example too (bug -> those bugs).
+MASKING: dict[int, set[int]] = {}
 
 
 @pytest.mark.parametrize(

@@ -36,10 +36,11 @@ from remat.core._caches import CacheCopies
 from remat.core._compiled import prepare_compile, run_compiled
 from remat.core._contexts import ForwardContext, RecomputeContext, Stacked, policy_contexts
 from remat.core._functorch import active_transforms, run_under_transform
-from remat.core._host_rng import HOST_DRAWS, HostDraws, _name_of
+from remat.core._host_rng import HOST_DRAWS, HostDraws
 from remat.core._memo import STRUCTURES, device_markers, learned_memo, memo_key
 from remat.core._policies import POLICIES, SAVE_OPS, compiled_policy_function, policy_function
 from remat.core._policy_registry import FULL, KEEP, SELECTIVE
+from remat.core._recompute_errors import recompute_failure
 from remat.core._region import Region
 from remat.core._torch_options import (
     DEFAULT,
@@ -49,7 +50,7 @@ from remat.core._torch_options import (
     read_torch_options,
     split_torch_options,
 )
-from remat.errors import RecomputeError, RematError
+from remat.errors import RematError
 
 __all__ = ["checkpoint", "wrap", "unwrap", "is_wrapped", "POLICIES", "SAVE_OPS"]
 
@@ -186,7 +187,7 @@ def _run_checkpointed(
             # answer] in remat.planning._verify_step)
             raise
         except Exception as exc:
-            raise _recompute_failure(fn, policy, region, exc) from exc
+            raise recompute_failure(fn, policy, region, exc) from exc
 
     with no_torch_debug():
         out = _torch_checkpoint(
@@ -207,35 +208,6 @@ def _run_checkpointed(
         structure = recorder.structure()
         remember_learned(lambda: remember_structure(structure))  # NOTE [Learning kept until the step ends]
     return out
-
-
-_SAC_ONCE = ("Trying to backward an extra time", "encountered during backward but not found in storage")
-
-
-def _recompute_failure(fn: Callable, policy: Any, region: Region, exc: Exception) -> RecomputeError:
-    """What to tell when ``fn`` failed while rerun in backward."""
-    name = _name_of(fn)
-    again = region.recomputations > 1 or not region.forward_done
-    if (
-        policy_function(policy) is not None
-        and isinstance(exc, RuntimeError)
-        and (_SAC_ONCE[0] in str(exc) or (again and _SAC_ONCE[1] in str(exc)))
-    ):
-        return RecomputeError(
-            f"remat.checkpoint: {name} was recomputed more than once (backward twice with retain_graph=True, "
-            "a double backward with create_graph=True, or torch.autograd.grad inside the function), which "
-            f"policy={policy!r} cannot do: torch's selective checkpoint hands each output it keeps to one "
-            f"recomputation only, and torch's own checkpoint with this policy fails the same way ({exc}). "
-            "Use policy='full' for this function: it recomputes as often as backward asks."
-        )
-    return RecomputeError(
-        f"remat.checkpoint: {name} failed when rerun in backward ({type(exc).__name__}: {exc}). The function "
-        "must compute the same thing again: a forward side effect (a Hugging Face KV cache that a module "
-        "holds rather than takes as an argument: pass use_cache=False, or set it to False on every config "
-        "of the model, e.g. model.config and model.decoder.config; remat.apply does that; a counter or "
-        "cache of your own: guard it with `if not remat.is_recomputing()`) "
-        "or data-dependent control flow changed it."
-    )
 
 
 def checkpoint(

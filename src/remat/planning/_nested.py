@@ -102,33 +102,6 @@ the rest of the chain still gets segments of its own. Not even as a segment's la
 the read may be an in-place write (``x += bias`` in the parent), and a segment whose
 output is written after it holds one output more than the walk (NOTE [Inputs written in
 place inside a segment]); the profile does not tell a read from a write there.
-
-NOTE [A block whose backward begins early]
-A block that returns a second tensor the parent uses apart from the chain (a router's
-auxiliary loss) has backward nodes that need only that tensor's gradient, which arrives
-at the start of the backward. Checkpointed, the block is recomputed there, and its
-recomputation lives through every later block's backward; in a uniform run the blocks
-after it are checkpointed alike, so no step the walk composes holds that overlap (four
-generated blocks, the third with such a loss and `full`, the fourth `selective`: the walk
-24,576 B under the measured peak, which the one-level model predicts exactly). In the
-nested view such a block (two outputs or more in ``Costs.outputs``) is only ``keep``, and in
-no segment, not even as its last block (a segment runs only blocks that return one tensor:
-``remat.core._segment``; the last block of the chain, whose output feeds the head, is not
-``Costs.chained``'s concern, and a segment ending at one returning an aux loss failed).
-
-NOTE [Arguments a segment hands on]
-A segment runs every block with its first block's other arguments (``remat.core._segment``):
-right only where the parent calls them all alike. A block given a tensor its neighbour is not
-(a mask only some layers take) raised on the first block's arguments, or computed with
-others, before the parent's call of it could be checked. The profile records which tensors
-made outside the blocks each block receives (``Profile.crossings``); a block whose set differs
-from the block before it starts a new run (``Costs.same_args``): no segment holds both. The
-chain's input, which the first block alone receives, is its hand-off, not an argument.
-Arguments that are not tensors (their number, keywords and values: a diffusers down block calls
-its resnets with ``temb=None`` and its downsampler without) the profile records as the run-time
-check compares them, each value by identity (``Profile.new_arguments``), and a block called
-otherwise than the block before it starts a new run too. ``remat.core._segment`` still refuses a
-chain whose calls differ at run time (a plan made by hand, a call that changes between steps).
 """
 
 from __future__ import annotations
@@ -139,21 +112,15 @@ from typing import Any
 
 import numpy as np
 
-from remat.core._policy_registry import FULL, KEEP, SELECTIVES
-from remat.planning._nested_copies import copies_of, snapshots_of
-from remat.planning._nested_shared import made_first, shared_storages
+from remat.core._policy_registry import FULL, KEEP
+from remat.planning._nested_costs import MAX_BLOCKS, costs_of
 from remat.planning._nested_types import Costs, Node
-from remat.planning._nested_views import freed_at, views_of
+from remat.planning._nested_views import freed_at
 from remat.planning._nested_walk import extra_time, simulate
-from remat.planning._solve import Chain, chain_of
-from remat.profiling._types import Profile
 
-__all__ = ["Costs", "Node", "costs_of", "extra_time", "simulate", "solve_nested", "to_plan"]
+__all__ = ["MAX_BLOCKS", "Costs", "Node", "costs_of", "extra_time", "simulate", "solve_nested", "to_plan"]
 
 GRID = 256
-MAX_BLOCKS = 128
-#: Policies that run under torch's selective checkpoint inside a segment (NOTE [Selective caches inside a segment]).
-_SELECTIVE = SELECTIVES
 
 
 def _shift_rows(values: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -191,7 +158,7 @@ class _Recursion:
         # deep] in remat.planning._solve)
         self.outside_of = ch.outside if ch.outside is not None else np.ones((n, self.P), dtype=bool)
         early = np.bincount([o.receivers[0] for o in c.outputs], minlength=n)[:n] > 1
-        if early.any():  # NOTE [A block whose backward begins early]
+        if early.any():  # kept, in no segment: NOTE [A block whose backward begins early] in _nested_early
             self.outside_of = np.where(early[:, None], np.array([p == KEEP for p in ch.policies]), self.outside_of)
             runs = np.concatenate([[0], np.cumsum(early)])
             self.span_ok &= runs[None, :] == runs[:, None]
@@ -344,63 +311,6 @@ def solve_nested(c: Costs, budget: int) -> tuple[tuple[Node, ...], float] | None
     """The nested plan of least extra time whose peak fits ``budget`` (NOTE [The nested DP]); None if none."""
     built = _tables_at(c, budget)
     return None if built is None else best_at(*built)
-
-
-def costs_of(profile: Profile) -> Costs | None:
-    """The nested view of ``profile``: a chain of at most ``MAX_BLOCKS`` blocks with a ``full`` run; else None."""
-    ch = chain_of(profile)
-    if ch is None or FULL not in ch.policies or len(ch.blocks) > MAX_BLOCKS or profile.skips_layers:
-        return None  # a model that skips layers at random: NOTE [LayerDrop and nested segments] in remat.core._hf
-    chained = np.array([b not in profile.unchained for b in ch.blocks[:-1]] + [True])  # the last one feeds the head
-    by_name = {b.name: b for b in profile.blocks}
-    out = np.array([by_name[b].output_bytes for b in ch.blocks], dtype=np.int64)
-    holds = np.zeros((len(ch.blocks), len(ch.policies)), dtype=bool)
-    index = {b: i for i, b in enumerate(ch.blocks)}
-    for crossing in profile.crossings:  # a block's output: its size, and which runs freed it in its own backward
-        producer = crossing.producer
-        if producer is not None and producer[1] in index:
-            made_by = producer[1]
-            k = index[made_by]
-            out[k] = crossing.nbytes
-            holds[k] = [crossing.freed.get(p) == ("bwd", made_by, producer[2]) for p in ch.policies]
-    fwd = np.array([by_name[b].fwd_time_s for b in ch.blocks])
-    inside = np.array([p not in _SELECTIVE for p in ch.policies])
-    writes = np.array([by_name[b].writes_input for b in ch.blocks])  # NOTE [Inputs written in place inside a segment]
-    shared = shared_storages(profile, ch)
-    without_grad = np.array([by_name[b].without_grad for b in ch.blocks])
-    return Costs(
-        ch,
-        out,
-        fwd,
-        ch.policies.index(FULL),
-        holds,
-        inside,
-        chained,
-        shared,
-        writes,
-        _same_args(profile, ch),
-        shared_storages(profile, ch, outputs=True),
-        by_name[ch.blocks[0]].input_bytes,
-        made_first(profile, ch),
-        copies_of(profile, ch),
-        snapshots_of(profile, ch),
-        views_of(profile, ch),
-        without_grad if without_grad.any() else None,
-    )
-
-
-def _same_args(profile: Profile, ch: Chain) -> np.ndarray:
-    """[n]: block k receives the same tensors made outside the blocks as block k-1 (NOTE [Arguments a segment
-    hands on]); the chain's input, received by the first block alone, is its hand-off, not an argument."""
-    index = {b: i for i, b in enumerate(ch.blocks)}
-    got: list[set[int]] = [set() for _ in ch.blocks]
-    for i, crossing in enumerate(profile.crossings):
-        receivers = {index.get(r[1] or "", -1) for r in crossing.receivers}
-        if crossing.producer is None and receivers != {0}:
-            for k in receivers - {-1}:
-                got[k].add(i)
-    moved = set(profile.new_arguments)
-    return np.array([True] + [got[k] == got[k - 1] and ch.blocks[k] not in moved for k in range(1, len(got))])
 
 
 def to_plan(c: Costs, nodes: tuple[Node, ...]) -> tuple[dict[str, str], tuple[tuple[str, str], ...]]:

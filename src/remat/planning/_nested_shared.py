@@ -1,14 +1,14 @@
 """Where the profile's storages that cross blocks are freed, placed in the nested walk (``Costs.shared`` and
 ``Costs.outputs``; NOTE [Storages handed to a segment from outside] and NOTE [Outputs the parent keeps that nothing
 saves] in ``remat.planning._nested_walk``), and what a block's backward made before its recomputation
-(``Costs.made_first``)."""
+(``Costs.made_first``), and where a block is recomputed outside its own backward (``Costs.early``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from remat.core._policy_registry import FULL
-from remat.planning._nested_types import Place, Shared
+from remat.planning._nested_types import Early, Place, Shared
 from remat.planning._solve import Chain
 from remat.profiling._types import Key, Profile
 
@@ -83,3 +83,32 @@ def made_first(profile: Profile, chain: Chain) -> np.ndarray:
         if k is not None and r.index == 0 and r.at.get(FULL) == ("bwd", r.block, 0):
             out[k] = r.before[FULL] if FULL in r.before else out[k] - r.excess.get(FULL, 0)
     return out
+
+
+def early_recomputes(profile: Profile, chain: Chain) -> tuple[Early, ...]:
+    """The chain's blocks some run recomputed outside their own backward (``Costs.early``; NOTE [A block whose
+    backward begins early] in ``remat.planning._nested_early``), each run's recomputation placed in the walk."""
+    places, index = _places(profile), {b: i for i, b in enumerate(chain.blocks)}
+    pol = {p: j for j, p in enumerate(chain.policies)}
+    out = []
+    for r in profile.recomputes:
+        k = index.get(r.block)
+        own = ("bwd", r.block, r.index)
+        if k is None or r.index != 0 or all(key == own for key in r.at.values()):
+            continue
+        if any(key not in places or p not in pol for p, key in r.at.items()):
+            continue  # run where the walk has no place: left to the runs' own numbers
+        hosts = {key for key in r.at.values() if key != own}
+        swap = {}
+        if len(hosts) == 1 and r.swap:
+            (host,) = hosts
+            swap = {
+                (pol[q], pol[m]): v - profile.segments[q][host].excess
+                for q, row in r.swap.items()
+                for m, v in row.items()
+                if q in pol and m in pol
+            }
+        at = {pol[p]: places[key] for p, key in r.at.items()}
+        kept = {pol[p]: r.kept(p) for p in r.at}
+        out.append(Early(k, at, kept, {pol[p]: v for p, v in r.excess.items() if p in pol}, swap))
+    return tuple(out)

@@ -64,6 +64,23 @@ class Shared:
 
 
 @dataclass(frozen=True)
+class Early:
+    """A block the profile saw recomputed outside its own backward (NOTE [A block whose backward begins early] in
+    remat.planning._nested_early)."""
+
+    block: int
+    at: dict[int, Place]
+    """Per policy index whose run recomputed the block: the place of the step it ran in."""
+    kept: dict[int, int]
+    """Per policy index: the bytes it left live at the end of that step (``Recompute.kept``)."""
+    excess: dict[int, int]
+    """Per policy index: the most live bytes during it above its start."""
+    swap: dict[tuple[int, int], int]
+    """(q, m): how much higher the hosting step's one segment peaks in q's run with m's recomputation in place of
+    q's (``Recompute.swap``; negative: lower); empty where the profile has no such table."""
+
+
+@dataclass(frozen=True)
 class Costs:
     """The chain plus what nested plans need: output bytes and forward time per block."""
 
@@ -84,7 +101,7 @@ class Costs:
     """[n]: the block writes its input in place (NOTE [Inputs written in place inside a segment]); None: none."""
     same_args: np.ndarray | None = None
     """[n]: the block receives the same tensors from the parent as the block before it, so both may be in one
-    segment (NOTE [Arguments a segment hands on] in remat.planning._nested); None: every one."""
+    segment (NOTE [Arguments a segment hands on] in remat.planning._nested_costs); None: every one."""
     outputs: tuple[Shared, ...] = field(default=())
     """The blocks' outputs, each run's free placed in the walk; ``receivers``: the block that made it."""
     first_input: int = 0
@@ -106,6 +123,8 @@ class Costs:
     without_grad: np.ndarray | None = None
     """[n]: every forward of block k ran with gradients off: it is in no segment (NOTE [A block run without
     gradients is kept] in remat.planning._solve); None: no block's."""
+    early: tuple[Early, ...] = field(default=())
+    """Blocks recomputed outside their own backward, with where each run did it."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from remat.errors import RematError
 from remat.planning._budget import ACCEPTED_BUDGETS, Unreachable, parse_budget
 from remat.planning._nested_plan import nested_floor, plan_nested
 from remat.planning._plan_checks import check_plan_fields
-from remat.planning._solve import cast_credits, chain_of, kept_one_level, relax, solve
+from remat.planning._solve import cast_credits, chain_of, relax, solve
+from remat.planning._strategies import greedy, hand_made, kept_blocks
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
@@ -173,43 +174,6 @@ def _with_cast_credits(profile: Profile, limit: int, safe: dict[str, str] | None
     return min(candidates, key=profile.predict_time) if candidates else None
 
 
-def _strategy(profile: Profile, strategy: str) -> dict[str, str]:
-    """The hand-made ``strategy``'s plan, its lone layers and blocks run without gradients kept (NOTE [A lone layer
-    is kept one level deep] in remat.planning._solve)."""
-    kept = _kept_blocks(profile)
-    return {n: p for n, p in _hand_made(profile, strategy).items() if n not in kept}
-
-
-def _hand_made(profile: Profile, strategy: str) -> dict[str, str]:
-    names = [b.name for b in profile.blocks]
-    if strategy == "none":
-        return {}
-    if strategy in ("all", SELECTIVE):  # the strategy "selective": every block the policy
-        policy = FULL if strategy == "all" else SELECTIVE
-        return {n: policy for n in names}
-    if strategy.startswith("every:"):
-        try:
-            k = int(strategy.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        if k >= 1:
-            return {n: FULL for i, n in enumerate(names) if i % k == 0}
-    if strategy == "sqrt":
-        # torch's checkpoint_sequential keeps only segment boundaries; per block, the
-        # closest equivalent recomputes ceil(sqrt(n)) evenly spaced blocks fully.
-        k = max(1, round(len(names) / math.ceil(math.sqrt(len(names)))))
-        return {n: FULL for i, n in enumerate(names) if i % k == 0}
-    raise RematError(
-        f"remat.plan: unknown strategy {strategy!r}; use 'optimal', 'none', 'all', 'selective', 'sqrt' or 'every:K'."
-    )
-
-
-def _kept_blocks(profile: Profile) -> set[str]:
-    """The blocks a plan keeps one level deep (NOTE [A lone layer is kept one level deep] and NOTE [A block run
-    without gradients is kept] in remat.planning._solve)."""
-    return {b.name for b in profile.blocks if kept_one_level(b)}
-
-
 def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: int | None, minimum: int) -> Plan:
     full = {b.name: assignment.get(b.name, KEEP) for b in profile.blocks}
     extra = profile.predict_time(full) - profile.step_time_s
@@ -230,31 +194,6 @@ def _make(profile: Profile, assignment: dict[str, str], strategy: str, budget: i
     )
 
 
-def _greedy(profile: Profile, budget: float) -> dict[str, str] | None:
-    """For profiles that are not a simple chain: add the cheapest bytes-per-second step until it fits."""
-    assignment: dict[str, str] = {}
-    order, kept = list(NAMES), _kept_blocks(profile)
-    while profile.predict_peak(assignment) > budget:
-        current = profile.predict_peak(assignment)
-        best = None
-        for b in profile.blocks:
-            if b.name in kept:
-                continue
-            now = assignment.get(b.name, KEEP)
-            for p in order[order.index(now) + 1 :]:
-                if p not in profile.policies:
-                    continue
-                trial = {**assignment, b.name: p}
-                gain = current - profile.predict_peak(trial)
-                cost = b.extra_time_s[p] - b.extra_time_s[now] + 1e-9
-                if gain > 0 and (best is None or gain / cost > best[0]):
-                    best = (gain / cost, trial)
-        if best is None:
-            return None
-        assignment = best[1]
-    return assignment
-
-
 def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     """The lowest predicted peak and a plan that reaches it (cached on the profile: planning
     several budgets on one profile solves for the minimum once)."""
@@ -266,7 +205,7 @@ def _minimum(profile: Profile) -> tuple[int, dict[str, str]]:
 
 def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
     chain = chain_of(profile)
-    names = [b.name for b in profile.blocks if b.name not in _kept_blocks(profile)]
+    names = [b.name for b in profile.blocks if b.name not in kept_blocks(profile)]
     candidates: list[dict[str, str]] = [{}]
     candidates += [{n: p for n in names} for p in NAMES if p != KEEP and p in profile.policies]
     if chain is not None:
@@ -300,7 +239,7 @@ def _solve_fitting(profile: Profile, chain: Any, limit: int) -> dict[str, str] |
         if peak <= limit:
             return assignment
         target -= peak - limit
-    return _greedy(profile, limit)
+    return greedy(profile, limit)
 
 
 def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nested: bool = True) -> Plan:
@@ -329,7 +268,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
     if strategy != "optimal":
         return _make(
             profile,
-            _strategy(profile, strategy),
+            hand_made(profile, strategy),
             strategy,
             None if budget is None else parse_budget(budget, profile.baseline_peak_bytes),
             minimum,
@@ -361,7 +300,7 @@ def plan(profile: Profile, budget: Any = None, *, strategy: str = "optimal", nes
     if chain is not None:
         assignment = _with_cast_credits(profile, limit, _solve_fitting(profile, chain, limit))
     else:
-        assignment = _greedy(profile, limit)
+        assignment = greedy(profile, limit)
     if assignment is None:
         # Rounding refuses budgets within a grid cell per block of the minimum; the
         # lowest-peak plan fits them by definition.

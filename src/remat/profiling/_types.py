@@ -151,7 +151,7 @@ class Profile:
     past them: NOTE [What the parent does with a block's output] in remat.planning._nested)."""
     new_arguments: tuple[str, ...] = ()
     """Blocks called with other arguments than tensors (their number, keywords, values) than the block before them:
-    no nested segment holds both (NOTE [Arguments a segment hands on] in remat.planning._nested)."""
+    no nested segment holds both (NOTE [Arguments a segment hands on] in remat.planning._nested_costs)."""
     skips_layers: tuple[str, ...] = ()
     """The model's LayerDrop probabilities above 0 (``"Wav2Vec2Config.layerdrop = 0.1"``): a later step may skip any
     layer, so no nested segment is planned (NOTE [LayerDrop and nested segments] in remat.core._hf)."""
