@@ -236,7 +236,7 @@ CASES = {
     "error in block 1 (auto)": (
         lambda: _net(fail_in=1),
         lambda m: remat.auto(m, X, 0.9, **PROFILE),
-        ["remat.profile", "raised RuntimeError"],
+        ["remat.auto (profiling the step): the training step raised RuntimeError", "during a profiled step"],
     ),
     "error in a wrapped block (measure)": (
         lambda: _wrapped(_net(fail_in=None)),

@@ -7,8 +7,10 @@ Blocks are checkpointed by giving the module an instance-level ``forward``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -239,7 +241,7 @@ def _profile(
     in remat.planning._within); compiled verification measures the compiled step without checkpointing first,
     and is left as it was. ``finer``: a fake profile traces ``full-fine`` too, when auto may go finer (NOTE
     [Finer only when needed])."""
-    with warnings.catch_warnings():  # auto refuses such a profile itself
+    with warnings.catch_warnings(), _told_as_auto():  # auto refuses such a profile itself
         warnings.simplefilter("ignore", RandomBranchWarning)
         if not fit:
             prof = make_profile(model, inputs, loss_fn, **options)
@@ -260,6 +262,22 @@ def _profile(
             "a step keeps), and the plan holds whichever layers a later step skips."
         )
     return prof
+
+
+@contextlib.contextmanager
+def _told_as_auto() -> Iterator[None]:
+    """An error of auto's own profile names ``remat.auto``, the call the user made, not ``remat.profile``, which
+    they did not (the same error, its type, cause and traceback kept)."""
+    try:
+        yield
+    except RematError as err:
+        said = err.args[0] if err.args and isinstance(err.args[0], str) else ""
+        if said.startswith(_PROFILE_SAYS):
+            err.args = (f"remat.auto (profiling the step): {said.removeprefix(_PROFILE_SAYS)}", *err.args[1:])
+        raise
+
+
+_PROFILE_SAYS = "remat.profile: "
 
 
 #: The policies auto's fake profile may trace: the default ones, and ``full-fine`` last when wanted.
