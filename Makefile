@@ -14,8 +14,9 @@ COMPAT_VENV := .venv-compat
 COMPAT_BIN := $(COMPAT_VENV)/bin
 COMPAT_TORCH ?= torch==2.14.1
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
-# torchvision's models (DenseNet's list arguments, ViT's attention) run in this lane only: its wheel pins torch
-COMPAT_EXTRAS ?= torchvision==0.29.1
+# torchvision's and timm's models (DenseNet's list arguments, ViT's attention, timm's own checkpointing switch)
+# run in this lane only: torchvision's wheel pins torch
+COMPAT_EXTRAS ?= torchvision==0.29.1 timm==1.0.31
 COMPAT_TESTS ?= tests/core tests/planning tests/profiling tests/diagnosis
 
 .PHONY: setup demo test test-fast test-compat lint bench clean
