@@ -109,7 +109,8 @@ class _Elsewhere:
     by weak reference (NOTE [A cache copy keeps only its call's layers])."""
 
     def __init__(self, layer: Any) -> None:
-        self.layer = _sharing_tensors(layer, {})
+        """``layer``: this copy's own copy of the layer (``_sharing_tensors``), which it then holds alone."""
+        self.layer = layer
         self.refs = {name: weakref.ref(v) for name, v in vars(self.layer).items() if isinstance(v, torch.Tensor)}
         for name in self.refs:
             vars(self.layer)[name] = None
@@ -156,8 +157,8 @@ def _keep_own_layers(found: Any, memo: dict[int, Any], kind: type, indices: froz
         if id(real) in memo:
             own = memo[id(real)].layers
             for j in range(len(layers)):
-                if j not in indices:
-                    own[j] = _Elsewhere(layers[j])
+                if j not in indices and own[j] is not layers[j]:
+                    own[j] = _Elsewhere(own[j])
 
 
 def _copy_of(cache: Any, kind: type, indices: frozenset[int] | None) -> Any:
