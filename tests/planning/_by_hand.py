@@ -53,6 +53,14 @@ def measured_plan(model: nn.Module, x: torch.Tensor, shape: Shape) -> ByHand:
         segments=segments,
         predicted_peak_bytes=simulate(c, nodes),
     )
+    return ByHand(plan.predicted_peak_bytes, measured_step(model, x, plan, start, reference), c, nodes)
+
+
+def measured_step(
+    model: nn.Module, x: torch.Tensor, plan: remat.Plan, start: dict[str, torch.Tensor], reference: dict
+) -> int:
+    """The peak of a step under ``plan``, applied and removed again; its gradients and buffers are ``reference``,
+    bit for bit."""
     remat.apply(model, plan)
     try:
         grads = step_grads(model, x, start)
@@ -60,4 +68,4 @@ def measured_plan(model: nn.Module, x: torch.Tensor, shape: Shape) -> ByHand:
     finally:
         remat.remove(model)
     assert grads.keys() == reference.keys() and all(torch.equal(grads[n], reference[n]) for n in reference)
-    return ByHand(plan.predicted_peak_bytes, measured, c, nodes)
+    return measured

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from _by_hand import measured_plan
+from _by_hand import measured_plan, measured_step, step_grads
 from _generated import build, spec
 
 import remat
@@ -52,3 +52,16 @@ def test_the_profile_places_the_early_recomputation_in_the_last_blocks_backward(
     full = c.full
     assert early.block == 2 and early.at[full] == ("bwd", 3)
     assert early.kept[full] > 0 and (full, c.chain.policies.index("keep")) in early.swap
+
+
+def test_the_nested_floor_checkpoints_a_block_returning_an_aux_loss_where_that_walks_lower():
+    # NOTE [Aux blocks in the descent]: the DP keeps such blocks; the descent, judged by the walk, moves them
+    model, x = build(spec([{}, {"aux": True}, {}, {}, {"aux": True}, {}]))
+    start = {n: b.clone() for n, b in model.named_buffers()}
+    reference = step_grads(model, x, start)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    plan = remat.plan(prof, remat.plan(prof, strategy="none").min_peak_bytes)
+    assert plan.segments and plan.predicted_peak_bytes < one_level
+    assert {plan.assignment["blocks.1"], plan.assignment["blocks.4"]} != {"keep"}
+    assert measured_step(model, x, plan, start, reference) <= plan.predicted_peak_bytes

@@ -157,6 +157,7 @@ class _Recursion:
         # outside_of[k]: the policies block k may take outside every segment (NOTE [A lone layer is kept one level
         # deep] in remat.planning._solve)
         self.outside_of = ch.outside if ch.outside is not None else np.ones((n, self.P), dtype=bool)
+        self.alone_of = self.outside_of  # the same, for the walk's descent (NOTE [Aux blocks in the descent])
         early = np.bincount([o.receivers[0] for o in c.outputs], minlength=n)[:n] > 1
         if early.any():  # kept, in no segment: NOTE [A block whose backward begins early] in _nested_early
             self.outside_of = np.where(early[:, None], np.array([p == KEEP for p in ch.policies]), self.outside_of)
@@ -204,6 +205,11 @@ class _Recursion:
     def allowed(self, s: int, top: bool) -> np.ndarray:
         """[P]: the policies block s may take, outside every segment (``top``) or inside one."""
         return self.outside_of[s] if top else self.inside_of[s]
+
+    def tried(self, s: int, top: bool) -> np.ndarray:
+        """[P]: the policies the walk may try for block s (NOTE [Aux blocks in the descent] in
+        ``remat.planning._nested_plan``): those of ``allowed``, and any one-level policy outside segments."""
+        return self.alone_of[s] if top else self.inside_of[s]
 
     def _fill_all(self) -> None:
         n = len(self.c.chain.blocks)

@@ -19,7 +19,8 @@ backward, taken from its policy's run, frees what that run's recomputation left.
 The planner still keeps such a block ``keep`` in nested plans and in no segment
 (``remat.planning._nested``): a segment runs only blocks that return one tensor
 (``remat.core._segment``); a segment ending at one returning an aux loss failed. The
-correction is for plans made by hand, which ``remat.apply`` runs as given.
+correction serves plans made by hand, which ``remat.apply`` runs as given, and the floor's
+descent (NOTE [Aux blocks in the descent] in ``remat.planning._nested_plan``).
 """
 
 from __future__ import annotations

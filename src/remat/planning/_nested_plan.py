@@ -23,6 +23,17 @@ and `selective` in a fake one (roofline times), both of one need, walking 128,93
 137,128 B; `remat.auto`, planning on the fake profile, refused the budget the real one
 reached. So the floor's plan then moves to any single block's other allowed policy that
 walks lower, round after round until no such move is left (at most three rounds).
+
+NOTE [Aux blocks in the descent]
+The DP keeps a block returning an aux loss under ``keep`` and in no segment (its tables do
+not model that block's recomputation at the start of the backward), while the walk predicts
+any policy for it outside segments (NOTE [A block whose backward begins early] in
+``remat.planning._nested_early``). So the descent, judged by the walk, may move such a block
+to any policy it may take one level deep (``_Recursion.tried``): on a generated 6-block
+chain with aux blocks second and fifth, the nested floor had been above the one-level one
+(189,088 B vs 164,508); the descent checkpoints the second aux block and reaches 156,320 B,
+measured 156,316 B. A segment still holds none (``remat.core._segment`` runs blocks that
+return one tensor).
 """
 
 from __future__ import annotations
@@ -137,7 +148,7 @@ def _descended(c: Costs, needs: _Needs, best: tuple[int, float, tuple[Node, ...]
         for k, own in tree.own.items():
             if own is None:
                 continue
-            for j in map(int, np.flatnonzero(needs.allowed(k, not tree.path[k]))):
+            for j in map(int, np.flatnonzero(needs.tried(k, not tree.path[k]))):
                 if j != own.policy:
                     nodes = _with_policy(best[2], k, j)
                     lower = min(lower, (simulate(c, nodes), extra_time(c, nodes), nodes), key=_walk_then_time)

@@ -14,7 +14,7 @@ from remat.planning._budget import ACCEPTED_BUDGETS, Unreachable, parse_budget
 from remat.planning._nested_plan import nested_floor, plan_nested
 from remat.planning._plan_checks import check_plan_fields
 from remat.planning._solve import cast_credits, chain_of, relax, solve
-from remat.planning._strategies import greedy, hand_made, kept_blocks
+from remat.planning._strategies import descended, greedy, hand_made, kept_blocks
 from remat.profiling._format import human_bytes, load_versioned
 from remat.profiling._types import Profile
 
@@ -214,7 +214,8 @@ def _solve_minimum(profile: Profile) -> tuple[int, dict[str, str]]:
             raise RuntimeError("minimising the peak with no budget found no plan")
         picks, _ = lowest
         candidates.append({b: chain.policies[j] for b, j in zip(chain.blocks, picks)})
-    return min(((profile.predict_peak(a), a) for a in candidates), key=lambda t: t[0])
+    best = min(((profile.predict_peak(a), a) for a in candidates), key=lambda t: t[0])
+    return descended(profile, best[1])  # NOTE [The one-level floor descends on the peak model]
 
 
 #: DP solves per plan when storages that cross blocks push a plan over its budget.
