@@ -11,6 +11,8 @@ its input, ``fc1``, the shared tensor added or multiplied in, an activation (fun
 GELU, an ``nn.GELU`` module or ``nn.ReLU(inplace=True)``), dropout, ``fc2``, the residual
 (``x + y`` or ``y.add_(x)``), BatchNorm1d (between transposes: its output is a view), and
 an auxiliary loss term of its inner activation returned beside the output (a router's).
+A block may be frozen (its parameters need no gradients, as in fine-tuning), and so may the
+embedding (then frozen first blocks build no graph at all).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Block(nn.Module):
         self.act = {"fn": None, "gelu": nn.GELU(), "relu_": nn.ReLU(inplace=True)}[b["act"]]
         self.drop = nn.Dropout(drop) if drop else None
         self.bn = nn.BatchNorm1d(d) if b["bn"] else None
+        self.requires_grad_(not b["frozen"])
 
     def forward(self, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor | tuple:
         if self.pre is not None:
@@ -68,6 +71,7 @@ class GenModel(nn.Module):
             nn.Parameter(0.1 * torch.randn(len(spec["calls"]), d)) if any(c["offset"] for c in spec["calls"]) else None
         )
         self.head = nn.Linear(d, 10)
+        self.embed.requires_grad_(not spec["frozen_embed"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -99,6 +103,7 @@ def block_specs() -> st.SearchStrategy[dict]:
             "add_": st.sampled_from([False, True, False]),
             "shared": st.sampled_from([None, "add", "mul"]),
             "act": st.sampled_from(["fn", "gelu"] * 2 + ["relu_"] + ["fn", "gelu"] * 2),
+            "frozen": st.sampled_from([False, True, False]),
         }
     )
 
@@ -124,6 +129,7 @@ def model_specs(draw: st.DrawFn) -> dict:
         "drop": draw(st.sampled_from([0.0, 0.1])),
         "eval": draw(st.booleans()),
         "input_grad": draw(st.sampled_from([False, True, False, False])),
+        "frozen_embed": draw(st.sampled_from([False, True, False, False])),
         "blocks": blocks,
         "order": order,
         "calls": calls,
@@ -132,7 +138,7 @@ def model_specs(draw: st.DrawFn) -> dict:
 
 def spec(blocks: list[dict], order: list[int] | None = None, calls: list[dict] | None = None, **top) -> dict:
     """A spec by hand: block fields default to off, calls to no skip and no offset."""
-    base = {"bn": False, "aux": False, "relu_first": False, "add_": False, "shared": None, "act": "fn"}
+    base = {"bn": False, "aux": False, "relu_first": False, "add_": False, "shared": None, "act": "fn", "frozen": False}
     blocks = [{**base, **b} for b in blocks]
     order = list(range(len(blocks))) if order is None else order
     calls = [{"skip": 0, "offset": False, **c} for c in (calls or [{} for _ in order])]
@@ -142,6 +148,7 @@ def spec(blocks: list[dict], order: list[int] | None = None, calls: list[dict] |
         "drop": 0.0,
         "eval": False,
         "input_grad": False,
+        "frozen_embed": False,
         **top,
         "blocks": blocks,
         "order": order,
@@ -164,7 +171,8 @@ def features(spec: dict) -> set[str]:
     out |= {"called-twice"} if len(spec["order"]) > len(spec["blocks"]) else set()
     out |= {f"skip={c['skip']}" for c in spec["calls"] if c["skip"]}
     out |= {"parent-inplace"} if any(c["offset"] for c in spec["calls"]) else set()
-    return out | {k for k in ("eval", "input_grad") if spec[k]} | ({"dropout"} if spec["drop"] else set())
+    out |= {k for k in ("eval", "input_grad", "frozen_embed") if spec[k]}
+    return out | ({"dropout"} if spec["drop"] else set())
 
 
 class Untouched:
