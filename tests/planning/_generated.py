@@ -12,7 +12,8 @@ GELU, an ``nn.GELU`` module or ``nn.ReLU(inplace=True)``), dropout, ``fc2``, the
 (``x + y`` or ``y.add_(x)``), BatchNorm1d (between transposes: its output is a view), and
 an auxiliary loss term of its inner activation returned beside the output (a router's).
 A block may be frozen (its parameters need no gradients, as in fine-tuning), and so may the
-embedding (then frozen first blocks build no graph at all).
+embedding (then frozen first blocks build no graph at all); it may round its output with a
+straight-through estimator (``y + (y.round() - y).detach()``, as quantizers do).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class Block(nn.Module):
         if self.drop is not None:
             h = self.drop(h)
         y = self.fc2(h)
+        if self.b["straight"]:
+            y = y + (y.round() - y).detach()
         if self.b["add_"]:
             y.add_(x)
         else:
@@ -104,6 +107,7 @@ def block_specs() -> st.SearchStrategy[dict]:
             "shared": st.sampled_from([None, "add", "mul"]),
             "act": st.sampled_from(["fn", "gelu"] * 2 + ["relu_"] + ["fn", "gelu"] * 2),
             "frozen": st.sampled_from([False, True, False]),
+            "straight": st.sampled_from([False, False, True, False]),
         }
     )
 
@@ -138,7 +142,16 @@ def model_specs(draw: st.DrawFn) -> dict:
 
 def spec(blocks: list[dict], order: list[int] | None = None, calls: list[dict] | None = None, **top) -> dict:
     """A spec by hand: block fields default to off, calls to no skip and no offset."""
-    base = {"bn": False, "aux": False, "relu_first": False, "add_": False, "shared": None, "act": "fn", "frozen": False}
+    base = {
+        "bn": False,
+        "aux": False,
+        "relu_first": False,
+        "add_": False,
+        "shared": None,
+        "act": "fn",
+        "frozen": False,
+        "straight": False,
+    }
     blocks = [{**base, **b} for b in blocks]
     order = list(range(len(blocks))) if order is None else order
     calls = [{"skip": 0, "offset": False, **c} for c in (calls or [{} for _ in order])]

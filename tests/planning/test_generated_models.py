@@ -5,7 +5,8 @@ blocks (added or multiplied in), auxiliary loss terms from inside blocks, a bloc
 (weight sharing), in-place ops inside blocks (``nn.ReLU(inplace=True)`` first or as the
 activation, ``y.add_(x)``) and in the parent between blocks (``x = block(x); x += offsets[k]``),
 the parent keeping every output (for its skips), dropout, BatchNorm, inputs that require grad,
-frozen blocks and a frozen embedding (fine-tuning), eval or train mode at plan time. Plans:
+frozen blocks and a frozen embedding (fine-tuning), straight-through rounding, eval or train
+mode at plan time. Plans:
 ``remat.plan`` from the floor (nested, below the one-level floor, and ``nested=False``) to 1.0
 of the baseline; a hand-made policy per block
 (keep / selective / selective-ops / full), one level and with one nested segment (the
