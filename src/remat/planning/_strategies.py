@@ -6,10 +6,10 @@ The lowest one-level peak is the least, under the full peak model (``Profile.pre
 uniform plans and the DP's lowest-peak plan. The DP sees each block's own segments only: what the model
 adds beside them (a block returning an aux loss recomputed at the start of the backward, storages across
 blocks) can make its lowest plan other than the model's, and a profile that is no chain has no DP at
-all. A generated chain [aux+BatchNorm, BatchNorm, aux, BatchNorm, BatchNorm] had its floor at 378,892 B
-(the DP's plan) while a plan the DP did not pick predicts and measures 362,508 B. So the best of those
-plans then moves one block to another allowed policy while the model predicts a lower peak (ties: less
-time), round after round (at most three; a round is n x P predictions, 0.6 ms each on a 48-block GPT-2).
+all. A generated chain [plain, aux loss + in-place ReLU, plain] had its floor at 152,952 B (the DP's
+plan) while a plan the DP did not pick predicts and measures 136,568 B, the least of all 64. So the best
+of those plans then moves one block to another allowed policy while the model predicts a lower peak
+(ties: less time), round after round (at most three; a round is n x P predictions, 0.6 ms each on a 48-block GPT-2).
 Above 256 blocks the floor stays the best of those plans: a round over 1,000 blocks takes 10 s (3.2 ms a
 prediction), and such profiles are the loops of one function, plain chains the DP solves exactly.
 """
