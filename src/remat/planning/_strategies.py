@@ -95,10 +95,9 @@ def descended(profile: Profile, assignment: dict[str, str]) -> tuple[int, dict[s
     """(predicted peak, plan): ``assignment`` with one block's policy changed while that predicts a lower peak
     (NOTE [The one-level floor descends on the peak model])."""
     kept = kept_blocks(profile)
-    extra = {b.name: b.extra_time_s for b in profile.blocks}
 
     def scored(a: dict[str, str]) -> tuple[int, float, dict[str, str]]:
-        return profile.predict_peak(a), sum(extra[n].get(p, 0.0) for n, p in a.items() if n in extra), a
+        return profile.predict_peak(a), profile.predict_time(a), a
 
     best = scored(assignment)
     for _ in range(_DESCENT_ROUNDS if len(profile.blocks) <= _DESCENT_BLOCKS else 0):
