@@ -1,4 +1,4 @@
-"""Hugging Face specifics: transformers' tracing check under a fake profile."""
+"""Hugging Face specifics: transformers' tracing check under a fake profile, the cache, LayerDrop."""
 
 import pytest
 import torch
@@ -147,3 +147,62 @@ def test_bart_with_layerdrop_plans_for_every_layer_and_each_later_draw_stays_wit
         layers_run.add(frozenset(n for n, p in model.named_parameters() if p.grad is not None))
     assert len(layers_run) > 1  # the draws did skip different layers
     remat.remove(model)
+
+
+# --- an error only the step without a cache raises ----------------------------------------------------------------
+
+
+class _StateWithoutCache(torch.nn.Module):
+    """transformers 4.57's RecurrentGemma in small: without a cache, a layer adds the state it kept from the previous
+    step, whose graph that step's backward freed. With the cache on (the user's own steps) it trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = _Config(use_cache=True)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.state = None
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        if not self.config.use_cache:
+            if self.state is not None:
+                h = h + self.state
+            self.state = h[:1]
+        return self.layers[1](h).pow(2).mean()
+
+
+@pytest.mark.parametrize("call", ["profile", "auto", "fake profile"])
+def test_an_error_of_the_step_without_a_cache_says_that_remat_ran_it_so(call):
+    import remat
+
+    model, x = _StateWithoutCache(), torch.randn(3, 4)
+    for _ in range(2):
+        model(x).backward()  # the user's steps, with the cache, train
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run = {
+        "profile": lambda: remat.profile(model, x, repeat=2, warmup=1),
+        "auto": lambda: remat.auto(model, x, 0.9, repeat=2, warmup=1),
+        "fake profile": lambda: remat.profile(model, x, fake=True),
+    }[call]
+    with pytest.raises(remat.RematError) as err:
+        run()
+    message = str(err.value)
+    assert "use_cache=False" in message and "run two steps with use_cache=False" in message, message
+    assert model.config.use_cache is True
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_an_error_of_a_step_with_the_cache_on_does_not_blame_the_cache():
+    import remat
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            raise ValueError("the model's own bug")
+
+    with pytest.raises(remat.RematError) as err:
+        remat.profile(Broken(), torch.randn(3, 4))
+    assert "the model's own bug" in str(err.value) and "use_cache" not in str(err.value)

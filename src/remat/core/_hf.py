@@ -140,12 +140,30 @@ def restore_cache(model: nn.Module) -> None:
         config.use_cache = True
 
 
+CACHE_OFF = (
+    "remat ran this step with use_cache=False on the model's config(s), as checkpointing needs (transformers' own "
+    "gradient checkpointing does the same); if your steps run only with use_cache=True, the model's path without a "
+    "cache is what fails: run two steps with use_cache=False to see it without remat"
+)
+"""Said of an error the model raised while remat had its cache off: a model may fail only there (transformers
+4.57's RecurrentGemma reads the previous step's recurrent state, already backpropagated, without a cache)."""
+
+
+def ran_without_cache(model: nn.Module, exc: BaseException) -> bool:
+    """Whether ``exc`` came from a step remat ran with the model's cache off (a plan on it, or a profile)."""
+    return _SAVED in model.__dict__ or CACHE_OFF in getattr(exc, "__notes__", ())
+
+
 @contextlib.contextmanager
 def cache_disabled(model: nn.Module) -> Iterator[None]:
     already = _SAVED in model.__dict__
     try:
         disable_cache(model)
         yield
+    except Exception as exc:
+        if not already and _SAVED in model.__dict__ and CACHE_OFF not in getattr(exc, "__notes__", ()):
+            exc.add_note(CACHE_OFF)  # read by remat's message of the error (remat.core._user_errors)
+        raise
     finally:
         if not already:
             restore_cache(model)

@@ -19,6 +19,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from remat.core._hf import CACHE_OFF, ran_without_cache
 from remat.core._step import input_tensors
 from remat.core.checkpoint import is_wrapped
 from remat.errors import OutOfMemory, RecomputeError, RematError
@@ -75,10 +76,11 @@ def model_errors(model: nn.Module, api: str, step: str, blocks: Iterable[str] = 
         ) from exc
     except Exception as exc:
         told = str(exc).rstrip().rstrip(".")  # the sentence goes on after it
+        cache = f" ({CACHE_OFF})" if ran_without_cache(model, exc) else ""
         raise RematError(
             f"{api}: the training step raised {type(exc).__name__}{where_raised(model, exc, list(blocks))} during "
             f"{step}: {told}. The model was restored; fix the error (run one step yourself, or see this error's "
-            "__cause__, for the full traceback), then call again."
+            f"__cause__, for the full traceback){cache}, then call again."
         ) from exc
 
 
