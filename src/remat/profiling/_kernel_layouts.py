@@ -45,8 +45,9 @@ source, not yet measured on a GPU).
 NOTE [Grouped matmuls in float32]
 Mixture-of-experts layers in transformers 5 run their experts with ``torch._grouped_mm``
 where the device has it. Its meta kernel checks what CUDA's kernel accepts (bfloat16
-inputs); the CPU kernel runs float32 and float16 too, so a float32 Mixtral or OLMoE failed in a fake
-profile ("Expected inputs of BF16 type") while its real step ran. For a CPU target a fake
+inputs up to torch 2.14; float32 and float16 too from 2.15); the CPU kernel runs float32 and
+float16, so a float32 Mixtral or OLMoE failed in a fake profile on torch 2.13 and 2.14
+("Expected inputs of BF16 type") while its real step ran. For a CPU target a fake
 run gives ``_grouped_mm`` on those types the output the CPU kernel allocates: a new
 contiguous tensor of the output shape, in ``out_dtype`` or the input's type. For a CUDA
 target the meta kernel's check stands: it implements the CUDA kernel's checks.
@@ -109,7 +110,7 @@ MIXED_STATISTICS = _overloads(
 _LOW = (torch.bfloat16, torch.float16)
 #: NOTE [Grouped matmuls in float32].
 GROUPED_MM = _overloads("_grouped_mm")
-#: The types the CPU kernel of ``_grouped_mm`` runs beside bfloat16, which its meta kernel refuses.
+#: The types the CPU kernel of ``_grouped_mm`` runs beside bfloat16, which its meta kernel refuses up to torch 2.14.
 _GROUPED_MM_CPU_ONLY = (torch.float32, torch.float16)
 _PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 
