@@ -206,3 +206,20 @@ def test_an_error_of_a_step_with_the_cache_on_does_not_blame_the_cache():
     with pytest.raises(remat.RematError) as err:
         remat.profile(Broken(), torch.randn(3, 4))
     assert "the model's own bug" in str(err.value) and "use_cache" not in str(err.value)
+
+
+def test_only_the_models_own_errors_are_told_of_the_cache():
+    from remat.core._hf import CACHE_OFF, cache_disabled
+    from remat.errors import OutOfMemory, RematError
+
+    for exc in (
+        ValueError("the model's"),
+        RematError("remat's"),
+        OutOfMemory("remat's"),
+        torch.OutOfMemoryError("torch's"),
+    ):
+        model = _StateWithoutCache()
+        with pytest.raises(type(exc)) as err, cache_disabled(model):
+            raise exc
+        assert (CACHE_OFF in getattr(err.value, "__notes__", ())) == (type(exc) is ValueError), exc
+        assert model.config.use_cache is True

@@ -42,7 +42,10 @@ import sys
 from collections.abc import Iterator
 from typing import Protocol
 
+import torch
 from torch import nn
+
+from remat.errors import RematError
 
 log = logging.getLogger("remat")
 
@@ -161,7 +164,9 @@ def cache_disabled(model: nn.Module) -> Iterator[None]:
         disable_cache(model)
         yield
     except Exception as exc:
-        if not already and _SAVED in model.__dict__ and CACHE_OFF not in getattr(exc, "__notes__", ()):
+        # the model's own errors only: remat's say what they are, and running out of memory is not the cache's doing
+        told = isinstance(exc, (RematError, torch.OutOfMemoryError)) or CACHE_OFF in getattr(exc, "__notes__", ())
+        if not already and _SAVED in model.__dict__ and not told:
             exc.add_note(CACHE_OFF)  # read by remat's message of the error (remat.core._user_errors)
         raise
     finally:
