@@ -311,10 +311,10 @@ def budgets_held(name: str, build: Callable[[], tuple[nn.Module, dict, Loss]], *
         return []
     torch.manual_seed(0)
     built = build()
-    # RecurrentGemma leaves each step's last recurrent state on its modules, in the step's graph: such a model
-    # cannot be deep-copied after a step, so the references are copies of it as built
     model, batch, loss_fn = built
     model.train()
+    # RecurrentGemma leaves each step's last recurrent state on its modules, in the step's graph: such a model
+    # cannot be deep-copied after a step, so the references are copies of it as built
     untouched = copy.deepcopy(model)
     prof = remat.profile(model, batch, loss_fn, repeat=1, warmup=0)
     base = prof.baseline_peak_bytes
