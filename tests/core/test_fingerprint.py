@@ -75,3 +75,22 @@ def test_a_summary_leaves_the_tensor_as_it_was_and_its_digest_does_not_follow_th
     assert chunked.digest == whole.digest and abs(chunked.total - whole.total) <= 1e-9 * whole.magnitude
     t[12345] = torch.nextafter(t[12345], torch.tensor(2.0))
     assert _fingerprint._summarise(t).digest != chunked.digest
+
+
+def test_complex_gradients_are_told_apart_by_their_imaginary_parts_without_a_warning():
+    # A Fourier layer's complex weights: a cast to float64 dropped the imaginary part (and warned the user), and
+    # complex tensors had no bit digest, so gradients differing there were called bit-equal.
+    import warnings
+
+    from remat.core import _fingerprint
+
+    a = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.cfloat)
+    b = torch.tensor([1 - 7j, 3 + 5j], dtype=torch.cfloat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _fingerprint._summarise(a).digest != _fingerprint._summarise(b).digest
+        assert _fingerprint._summarise(a).digest == _fingerprint._summarise(a.clone()).digest
+        assert _fingerprint._summarise(a.conj()).digest == _fingerprint._summarise(a.conj().resolve_conj()).digest
+    bumped = a.clone()
+    bumped.imag[1] = torch.nextafter(bumped.imag[1], torch.tensor(2.0))
+    assert _fingerprint._summarise(bumped).digest != _fingerprint._summarise(a).digest

@@ -59,14 +59,17 @@ class _Summary:
 # most its size. The digest weights each element by its index in the whole tensor, and
 # the chunks depend on the tensor's size alone, so equal tensors get equal digests.
 def _summarise(t: torch.Tensor) -> _Summary:
-    flat = t.detach().reshape(-1)
+    t = t.detach()
+    if t.is_complex():  # both parts, as floats: a cast to float64 would drop the imaginary one
+        t = torch.view_as_real(t.resolve_conj())
+    flat = t.reshape(-1)
     bits_dtype = _BITS.get(flat.element_size())
     first = second = 0
     total = squares = magnitude = 0.0
     size = min(_CHUNK, max(_MIN_CHUNK, flat.numel() // _PARTS))
     for start in range(0, flat.numel(), size):
         chunk = flat[start : start + size]
-        if bits_dtype is not None and not chunk.is_complex():
+        if bits_dtype is not None:
             bits = chunk.contiguous().view(bits_dtype).to(torch.int64)
             first += int(bits.sum())
             weights = torch.arange(start, start + bits.numel(), device=bits.device, dtype=torch.int64)
