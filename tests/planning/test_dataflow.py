@@ -150,14 +150,15 @@ def test_auto_without_verify_is_the_plain_plan(shared):
     assert plan.budget_bytes == remat.plan(prof, 0.5).budget_bytes and plan.predicted_peak_bytes <= plan.budget_bytes
 
 
-def _one_level_floor(prof: remat.Profile) -> int:
-    return remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+def _seen(plan: remat.Plan, inputs: torch.Tensor) -> int | str:
+    """A measured step: its plan's budget, or the reference (the step without checkpointing, on half the batch)."""
+    return plan.budget_bytes if plan.checkpointed else f"reference on {len(inputs)} of {len(_x())}"
 
 
 def _fake_measure(monkeypatch: pytest.MonkeyPatch, error: int, seen: list) -> None:
     # Every plan measures `error` bytes above its prediction.
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
-        seen.append(plan.budget_bytes)
+        seen.append(_seen(plan, inputs))
         return step_module.Step(plan.predicted_peak_bytes + error)
 
     monkeypatch.setattr(candidates_module, "measured_step", measured)
@@ -174,15 +175,15 @@ def test_replanning_uses_the_measured_error_as_margin(shared, monkeypatch):
     def measured(model, inputs, loss_fn, plan, backend=None, loop=None):  # noqa: ANN001, ANN202
         if plan.budget_bytes == limit and limit not in seen:
             error["bytes"] = limit - plan.predicted_peak_bytes + 1000
-        seen.append(plan.budget_bytes)
+        seen.append(_seen(plan, inputs))
         return step_module.Step(plan.predicted_peak_bytes + error["bytes"])
 
     monkeypatch.setattr(candidates_module, "measured_step", measured)
     plan = remat.auto(model, _x(), 0.8, repeat=1, warmup=0)
     remat.remove(model)
-    # the reference (the lowest one-level plan: its budget is its peak), the plan for the budget, then one with
-    # the error as margin
-    assert seen[:3] == [_one_level_floor(prof), limit, limit - error["bytes"]]
+    # the reference (the step without checkpointing on a slice: NOTE [The step verified plans are compared with]),
+    # the plan for the budget, then one with the error as margin
+    assert seen[:3] == ["reference on 4 of 8", limit, limit - error["bytes"]]
     assert plan.measured_peak_bytes == plan.predicted_peak_bytes + error["bytes"] <= limit
     assert len(plan.notes) == len(seen) - 1 >= 1
 
@@ -198,7 +199,7 @@ def test_refusal_names_the_measured_lowest_peak_and_leaves_the_model_as_it_was(s
     measured = int(re.search(r"at least (\d+) bytes", str(err.value)).group(1))
     assert measured == remat.plan(prof, lowest).predicted_peak_bytes + 10**9
     # The plan for the budget; its margin leaves no plan above the minimum, so the lowest-peak plan.
-    assert seen == [_one_level_floor(prof), remat.plan(prof, 0.9).budget_bytes, lowest]
+    assert seen == ["reference on 4 of 8", remat.plan(prof, 0.9).budget_bytes, lowest]
     assert all(remat.is_wrapped(m) is None for m in model.modules())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 

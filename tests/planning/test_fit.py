@@ -16,6 +16,7 @@ from torch import nn
 import remat
 from remat.core._step import input_tensors
 from remat.planning import _verify_step as step_module
+from remat.planning._sub_batch import batch_size
 from remat.zoo import build
 
 
@@ -63,7 +64,10 @@ def test_auto_fits_a_device_the_step_without_checkpointing_does_not(name, fracti
         assert plan.checkpointed and device.peak <= budget, (device.peak, budget)
         assert plan.measured_peak_bytes <= budget
         assert remat.measure(model, inputs, loss_fn, warmup=0, repeat=1).peak_bytes <= budget
-        assert any("compared with the step of the lowest-peak one-level plan" in n for n in plan.notes)
+        # the step without checkpointing on a slice; a batch of 2 has none, and the notes say what that misses
+        sliced = batch_size(inputs) >= 4
+        said = "compared with the step without checkpointing, on the first" if sliced else "would not be seen"
+        assert any(said in n for n in plan.notes), plan.notes
         got = _grads(model, inputs, loss_fn)
         assert all(torch.equal(reference[n], got[n]) for n in reference)
     finally:

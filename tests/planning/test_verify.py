@@ -195,10 +195,37 @@ def test_auto_refuses_a_one_level_plan_that_changes_the_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(*(Noisy() for _ in range(4)))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(remat.RematError, match=r"differed from the step of the lowest-peak .*gradients of") as err:
+    with pytest.raises(remat.RematError, match=r"differed from the step without checkpointing.*gradients of") as err:
         remat.auto(model, _x(), 0.6, repeat=1, warmup=0)
     assert "left without checkpointing" in str(err.value)
     assert _untouched(model, before)
+
+
+def test_auto_compares_plans_with_the_step_without_checkpointing_on_a_slice_of_the_batch():
+    # Below the peak without checkpointing the reference was the lowest-peak plan (every block full here), which
+    # recomputes as wrongly as the plan at the floor: auto applied a verified plan training another function.
+    # NOTE [The step verified plans are compared with]
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Noisy() for _ in range(4))), _x()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    options = {"repeat": 1, "warmup": 0, "policies": ("keep", "full")}
+    floor = remat.plan(remat.profile(model, x, **options), strategy="none", nested=False).min_peak_bytes
+    pattern = r"differed from the step without checkpointing, on the first \d+ of the batch's 32 samples"
+    with pytest.raises(remat.RematError, match=pattern + r" \(first: grad:0.fc1.bias; gradients of 0, 1, 2\)"):
+        remat.auto(model, x, floor, **options)
+    assert _untouched(model, before)
+
+
+def test_where_the_batch_cannot_be_sliced_the_notes_say_what_the_comparison_cannot_see():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(6))), torch.randn(3, 512, 32)
+    plan = remat.auto(model, x, 0.6, repeat=1, warmup=0)
+    try:
+        said = " ".join(plan.notes)
+        assert "not compared on a slice: a batch of 3 has no smaller slice of 2 or more samples" in said, said
+        assert "compared with the lowest-peak one-level plan, not with it: a block whose recomputation" in said
+    finally:
+        remat.remove(model)
 
 
 def test_a_verified_plan_says_what_was_compared_and_trains_the_same_function():

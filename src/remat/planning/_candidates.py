@@ -156,7 +156,8 @@ class Candidates:
                 "(a segment of the traced forward does more than pass its output on: it writes a buffer, say)"
                 if traced
                 else "(the parent does more between the blocks than pass each output on: it draws random numbers "
-                "there, which a segment runs after its blocks' draws, say)"
+                "there, which a segment runs after its blocks' draws, say; or a block's recomputation computes "
+                "another function)"
             )
             return self._one_level(
                 plan,
@@ -178,7 +179,9 @@ class Candidates:
                 f"{_what(differ)} differed from {self.findings.compared()} (first: {differ[0]}"
                 f"{'; gradients of ' + ', '.join(blocks) if blocks else ''}), so the plan would train another "
                 "function. The model was left without checkpointing. Check these blocks for randomness torch's "
-                "generators do not drive, or Python state their forward changes, then call again; "
+                "default generators do not drive (a torch.Generator of their own) and for state their forward "
+                "changes outside autograd (a buffer assigned anew, a parameter written in place, a Python "
+                "counter), then call again; "
                 "remat.checkpoint(..., policy='keep') blocks you cannot change."
             )
         self._tried(plan, step)
@@ -220,23 +223,15 @@ class Candidates:
         with]), measured once; raises OutOfMemory if even it did not fit the device."""
         if self.findings.reference is not None:
             return self.findings.reference
-        keep, over = replace(plan, assignment={name: KEEP for name in plan.assignment}, segments=()), ""
-        below = self.limit is not None and self.prof.baseline_peak_bytes > self.limit
         traced = is_traced_plan(plan.assignment)
-        own = self._own_forward(plan, below) if traced else None
-        if own is not None:
-            keep, over = own
-        elif below and self.limit is not None:
-            if traced:
-                self.findings.notes.append(
-                    "The model's own forward does not fit the budget on any slice of the batch, so the traced plans "
-                    "were compared with a traced plan, not with it: a trace that missed something the forward does "
-                    "would not be seen (NOTE [A traced forward is compared with the model's own])."
-                )
-            floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
-            keep = make_plan(self.prof, f"{floor}B", nested=False)
-            self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
-            over = self._slice_for(keep.predicted_peak_bytes, self.limit)
+        # the model's own forward: a traced plan's assignment names segments, a block plan's its blocks
+        own = {} if traced else {name: KEEP for name in plan.assignment}
+        keep = replace(plan, assignment=own, segments=(), predicted_peak_bytes=self.prof.baseline_peak_bytes)
+        below, over = self.limit is not None and self.prof.baseline_peak_bytes > self.limit, ""
+        if below and self.limit is not None:
+            over = self._slice_for(self.prof.baseline_peak_bytes, self.limit)
+            if self.findings.samples is None:
+                keep, over = self._lowest_instead(traced, over)
         self.reference_plan = keep
         step = self._reference_step(keep)
         if self.findings.unsliced:
@@ -244,20 +239,29 @@ class Candidates:
         if below:
             self.findings.notes.append(
                 f"The step without checkpointing (predicted {human_bytes(self.prof.baseline_peak_bytes)}) is over "
-                f"the budget: verified plans were compared with {self.findings.compared()} instead{over}."
+                f"the budget: verified plans were compared with {self.findings.compared()}{over}."
             )
         self.findings.reference = step.summary
         return step.summary
 
-    def _own_forward(self, plan: Plan, below: bool) -> tuple[Plan, str] | None:
-        """The model's own forward as the reference of a traced plan, on a slice where it is over the budget; None
-        where it cannot be sliced (NOTE [A traced forward is compared with the model's own])."""
-        over = ""
-        if below and self.limit is not None:
-            over = self._slice_for(self.prof.baseline_peak_bytes, self.limit)
-            if self.findings.samples is None:
-                return None
-        return replace(plan, assignment={}, segments=()), over
+    def _lowest_instead(self, traced: bool, unsliced: str) -> tuple[Plan, str]:
+        """The lowest-peak one-level plan as the reference, where the step without checkpointing is over the budget
+        and cannot run on a slice (NOTE [The step verified plans are compared with]); what the note says of it."""
+        missed = (
+            "a trace that missed something the forward does"
+            if traced
+            else "a block whose recomputation computes another function in every plan alike (it rebinds a buffer, "
+            "writes a parameter, or draws from a generator of its own)"
+        )
+        self.findings.notes.append(
+            f"The step without checkpointing{unsliced}, so plans were compared with the lowest-peak one-level plan, "
+            f"not with it: {missed} would not be seen "
+            "(NOTE [The step verified plans are compared with])."
+        )
+        floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
+        keep = make_plan(self.prof, f"{floor}B", nested=False)
+        self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
+        return keep, self._slice_for(keep.predicted_peak_bytes, self.limit or 0)
 
     def _slice_for(self, predicted: int, limit: int) -> str:
         """Compare on a slice of the batch if the reference, predicted at ``predicted``, is over ``limit``
@@ -269,11 +273,12 @@ class Candidates:
         fixed = prof.resting_bytes + (prof.grad_bytes if prof.accumulation_steps == 1 else 0)
         b = None if batch is None else reference_batch(batch, predicted, fixed, limit)
         if batch is None or b is None:
-            why = (
-                "no first dimension is shared by more of its inputs than any other"
-                if batch is None
-                else f"even {MIN_SAMPLES} samples are predicted over"
-            )
+            if batch is None:
+                why = "no first dimension is shared by more of its inputs than any other"
+            elif batch // 2 < MIN_SAMPLES:
+                why = f"a batch of {batch} has no smaller slice of {MIN_SAMPLES} or more samples"
+            else:
+                why = f"even {MIN_SAMPLES} samples are predicted over"
             return f" (predicted {human_bytes(predicted)}, over the budget, and not compared on a slice: {why})"
         self._compare_on(b, batch)
         return (

@@ -1,12 +1,12 @@
-"""A slice of the batch for auto's reference step, when no one-level plan fits the budget.
+"""A slice of the batch for auto's reference step, when the step without checkpointing is over the budget.
 
 NOTE [A reference on a slice of the batch]
-Below the lowest peak of one-level plans only nested plans fit, and the step verified plans
-are compared with (the lowest-peak one-level plan, NOTE [The step verified plans are compared
-with] in remat.planning._verify) would be over the budget: on a device the budget is the size
-of, it runs out of memory and no plan is made. What that comparison catches, a nested segment
-that computes another function (the parent's code between blocks, writes in place), is in
-the model's code, not in its batch size: so the reference step and each nested plan's
+Below the peak without checkpointing, the step verified plans are compared with (that step,
+NOTE [The step verified plans are compared with] in remat.planning._verify) would be over the
+budget: on a device the budget is the size of, it runs out of memory and no plan is made. What
+that comparison catches, a block or a nested segment that computes another function (a buffer
+rebound in the forward, the parent's code between blocks, writes in place), is in the model's
+code, not in its batch size: so the reference step and each plan's
 comparison step run on the first ``b`` samples of the batch, and the plan's own step on the
 whole batch gives its peak. The batch size is the first dimension most tensor inputs share (a
 tie: the one of the most elements), and every tensor input with that first dimension is sliced;

@@ -23,28 +23,29 @@ refused with a RematError naming the blocks whose gradients differ. The plan's n
 say what was compared.
 
 NOTE [The step verified plans are compared with]
-The step without checkpointing is the reference only when it fits the budget; a budget
-below its peak is the reason to checkpoint, and auto holds no more than the budget
-(NOTE [Within the budget] in remat.planning._within). Below it, the reference is the
-lowest-peak one-level plan (every block at its lowest policy, ``full`` mostly): torch's
-checkpoint replays the RNG, so on blocks that recompute the same function it computes
-the un-checkpointed step's loss and gradients bit for bit. It is measured first, before
-any faster plan (the low-memory side first): if even it runs out of device memory, no
-plan can be verified and auto raises. When only nested plans reach the budget it is
-over the budget itself, yet a nested segment that computes another function cannot be
-told apart without it: it then runs on a slice of the batch, and so does each plan's
-comparison (NOTE [A reference on a slice of the batch] in remat.planning._sub_batch).
+Every plan is compared with the step without checkpointing: a block whose recomputation
+computes another function (it rebinds a buffer, ``self.ema = 0.9 * self.ema + ...``; writes a
+parameter in place; draws from a ``torch.Generator`` of its own) does so in every plan that
+checkpoints it, so comparing plans with one another, the lowest-peak plan (every block
+``full``) as the reference, found nothing: ``remat.auto`` called such plans verified while
+their gradients differed from the model's. A budget below that step's peak is the reason to
+checkpoint, and auto holds no more than the budget (NOTE [Within the budget] in
+remat.planning._within): there the step without checkpointing, and each plan's comparison
+step, run on a slice of the batch (NOTE [A reference on a slice of the batch] in
+remat.planning._sub_batch), each plan's own step on the whole batch giving its peak. It is
+measured first, before any faster plan (the low-memory side first): if even it runs out of
+device memory, no plan can be verified and auto raises. Only where the batch cannot be sliced
+(no first dimension its inputs share, or fewer than two samples fit) are plans compared with
+the lowest-peak one-level plan, on the whole batch, and the notes say what that cannot see.
 
 NOTE [A traced forward is compared with the model's own]
 A traced plan's units are segments of the model's forward as torch.fx recorded it, and
 every plan of them, all-keep included, runs that recording. A recording that misses what
 the forward does (an autograd Function's own backward, a no_grad region: refused when
 traced since, NOTE [What a trace must not miss] in remat.profiling._traced_cut) computes
-another function in every plan alike, so comparing plans with the all-keep one found
-nothing: generated models trained with gradients of 0 under a verified plan. So a traced
-plan is compared with the model's class forward, the step without checkpointing; below
-its peak, on a slice of the batch. Only where the batch cannot be sliced is it compared
-with the lowest-peak one-level plan, as a block plan is.
+another function in every plan alike, so a traced plan is compared with the model's class
+forward, not with the all-keep traced plan: generated models had trained with gradients of 0
+under a verified plan.
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ def verified_plan(
     predicted = int(lowest.predicted_peak_bytes / scale)
     if measured is None:
         found = f"ran out of device memory in a real step (predicted {human_bytes(predicted)})"
+        if predicted <= limit:  # the step fits the budget; what sat beside it did not
+            raise Unreachable(_beside_the_step(limit, found, candidates))
     else:
         found = (
             f"measured {human_bytes(measured)} ({measured} bytes) in a real step (predicted {human_bytes(predicted)})"
@@ -229,13 +232,19 @@ def _reference_first(candidates: Candidates, limit: int) -> None:
         findings = candidates.findings
         samples = findings.samples
         found = (
-            f"is predicted at {human_bytes(floor)} ({floor} bytes), and the lowest-peak one-level plan, the step "
-            f"verified plans are compared with, ran out of device memory (predicted {human_bytes(predicted)}"
-            + ("" if samples is None else f" on the whole batch; it ran out on {samples[0]} sample(s) too")
+            f"is predicted at {human_bytes(floor)} ({floor} bytes), and {findings.compared_with}, the step "
+            "verified plans are compared with, ran out of device memory "
+            + (
+                f"(predicted {human_bytes(predicted)}"
+                if samples is None
+                else f"on its first {samples[0]} of {samples[1]} samples (predicted within the budget there; "
+                f"{human_bytes(predicted)} on the whole batch"
+            )
             + ")"
             + (f", on the whole batch, not on a slice: {unsliced}" if (unsliced := findings.unsliced) else "")
         )
-        if predicted <= limit:  # the step fits the budget; what sat beside it did not
+        # the step (a slice sized to fit, its smallest) fits the budget; what sat beside it did not
+        if predicted <= limit or samples is not None:
             raise Unreachable(_beside_the_step(limit, found, candidates)) from None
         raise _unreachable(limit, prof, "eager", found, predicted) from None
 
@@ -254,9 +263,9 @@ def _beside_the_step(limit: int, found: str, candidates: Candidates) -> str:
     )
     return (
         f"remat.auto: budget {human_bytes(limit)} ({limit} bytes) cannot be met on this device: the lowest-peak plan "
-        f"{found}, within the budget, so the device held more than the step beside it: {beside}tensors the process "
-        "holds outside the model and its batch count too. Free that memory, or pass a budget that much below what "
-        "the device has: the plan then goes lower by as much."
+        f"{found}, a step within the budget, so the device held more than the step beside it: {beside}tensors the "
+        "process holds outside the model and its batch count too. Free that memory, or pass a budget that much below "
+        "what the device has: the plan then goes lower by as much."
     )
 
 
