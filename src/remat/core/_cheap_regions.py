@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.core._recomputing import bookkeeping, observed_recomputation
+from remat.core._slots import Slots
 from remat.core._writes import storage_key
 
 Writes = tuple[tuple[weakref.ref, str], ...]
@@ -74,6 +75,7 @@ class _Frame:
         """Storages of its inputs the module saved itself: keeping them to rerun it costs nothing more."""
         self.autocast = _autocast_state(tensors)
         self.buffers = _buffers_before(writes)
+        self.slots = Slots(module)  # NOTE [A module's tensors as its forward saw them] in remat.core._slots
         self.count = 0
         self.pending: list[_Saved] = []
         self.recomputed: list[torch.Tensor | None] = []
@@ -189,6 +191,7 @@ class _Frame:
         with (
             torch.enable_grad(),
             observed_recomputation(self.owner),
+            self.slots.as_called(),
             self._swapped_buffers() as stand_ins,
             self._autocast(),
             torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked),

@@ -36,6 +36,8 @@ class _CopyOnWrite(TorchDispatchMode):
         kwargs = kwargs or {}
         for t in written_tensors(func, args, kwargs):
             self.region.note_write(t)
+        if "generator" in kwargs:  # NOTE [A generator of the call's own] in remat.core._generators
+            self.region.generators.note(kwargs["generator"])
         return func(*args, **kwargs)
 
 
@@ -146,16 +148,21 @@ class RecomputeContext:
         self.region.recomputations += 1
         observed = observed_recomputation(self.region.owner)
         observed.__enter__()
-        if not self.region.forward_done:  # NOTE [Recomputed before the forward ends]
-            swap: Any = _EveryBufferCopied(self.region)
-        else:
-            swap = self.region.swapped_buffers() if self.region.buffers else None
-        if swap is not None:
-            try:
-                swap.__enter__()
-            except BaseException as exc:
-                observed.__exit__(type(exc), exc, exc.__traceback__)
-                raise
+        swap = contextlib.ExitStack()
+        try:
+            if not self.region.forward_done:  # NOTE [Recomputed before the forward ends]
+                swap.enter_context(_EveryBufferCopied(self.region))
+            else:
+                if self.region.slots is not None:  # NOTE [A module's tensors as its forward saw them]
+                    swap.enter_context(self.region.slots.as_called())
+                if self.region.generators.states:  # NOTE [A generator of the call's own]
+                    swap.enter_context(self.region.generators.as_called())
+                if self.region.buffers:  # on top: the values before the forward's writes
+                    swap.enter_context(self.region.swapped_buffers())
+        except BaseException as exc:
+            swap.close()
+            observed.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         self._open.append((observed, swap))
         if self.region.written_inputs or not self.region.forward_done:  # before the selective-checkpoint mode
             self.region.prepare_recompute()  # (NOTE in remat.core._region)
@@ -164,8 +171,7 @@ class RecomputeContext:
         self.region.end_recompute()
         observed, swap = self._open.pop()
         try:
-            if swap is not None:
-                swap.__exit__(*exc)
+            swap.__exit__(*exc)
         finally:
             observed.__exit__(*exc)
 

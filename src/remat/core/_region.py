@@ -62,7 +62,9 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from remat.core import _nested_writes as nested_writes
 from remat.core._arguments import collect_tensors
+from remat.core._generators import OwnGenerators
 from remat.core._recomputing import bookkeeping, is_recomputing
+from remat.core._slots import Slots
 from remat.core._writes import storage_key
 
 #: A module's ``__dict__`` entry naming other modules whose buffers its forward reads without calling them (a traced
@@ -93,6 +95,8 @@ class Learned:
     """(id(module), buffer name) of the buffers it wrote."""
     buffer_modules: tuple[weakref.ref, ...] = ()
     """The modules with buffers it entered, and those under the checkpointed module: watched from the start."""
+    generators: tuple[torch.Generator, ...] = ()
+    """Generators of its own it drew from (NOTE [A generator of the call's own] in remat.core._generators)."""
 
 
 # NOTE [An input's version is its tensor's]
@@ -125,6 +129,10 @@ class Region:
         self._as_called = torch.utils._pytree.tree_flatten((args, kwargs)) if any(held) else None
         self.owner = owner
         """The module whose forward is checkpointed: its own hooks ran before the region began."""
+        self.generators = OwnGenerators(learned.generators if learned is not None else ())
+        """Generators of its own and their states as it began (NOTE in remat.core._generators)."""
+        self.slots = Slots(owner) if owner is not None else None
+        """Its tensors as the call began (NOTE [A module's tensors as its forward saw them] in remat.core._slots)."""
         self.learned = learned
         """None: the callable's first call (watch every op)."""
         self.watched: dict[int, torch.Tensor] = {}
@@ -220,7 +228,10 @@ class Region:
             return None
         written = {(id(ref()), name) for owners in self.buffers.values() for ref, name in owners if ref() is not None}
         return Learned(
-            any(storage_key(t) in self.before for t in inputs), frozenset(written), self._buffer_module_refs()
+            any(storage_key(t) in self.before for t in inputs),
+            frozenset(written),
+            self._buffer_module_refs(),
+            self.generators.known(),
         )
 
     def _buffer_module_refs(self) -> tuple[weakref.ref, ...]:

@@ -69,6 +69,9 @@ class ModelState:
     host_rng: tuple[Any, Any] = (None, None)
     """Python's ``random`` state and NumPy's global one (None: NumPy not imported): models draw from them too
     (Wav2Vec2's SpecAugment masks), so a step remat runs must start from them and leave them as they were."""
+    own_rng: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
+    """Generators the model's modules keep as attributes (``self.gen``), with their states: a step draws from them
+    too (NOTE [A generator of the call's own] in remat.core._generators)."""
     api: str = field(default="remat", compare=False)
     """The API that took the snapshot (for errors)."""
 
@@ -97,6 +100,8 @@ class ModelState:
         if cuda_rng is not None:
             _attempt(failures, "the CUDA RNG states", lambda: torch.cuda.set_rng_state_all(cuda_rng))
         _attempt(failures, "Python's and NumPy's RNG states", functools.partial(set_host_rng, self.host_rng))
+        for gen, state in self.own_rng:
+            _attempt(failures, "the state of a generator of the model's own", functools.partial(_set_state, gen, state))
         failures += self._gone()
         if failures:
             raise RematError(
@@ -155,7 +160,18 @@ def capture(model: nn.Module, api: str = "remat", *, parameters: bool = True) ->
         buffers = {name: _copy(b) for name, b in model.named_buffers(remove_duplicate=False)}
         training = {name: m.training for name, m in model.named_modules(remove_duplicate=False)}
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return ModelState(model, params, buffers, training, torch.get_rng_state(), cuda_rng, host_rng(), api)
+        own = {id(g): (g, g.get_state()) for m in model.modules() for g in vars(m).values() if _generator(g)}
+    return ModelState(
+        model, params, buffers, training, torch.get_rng_state(), cuda_rng, host_rng(), tuple(own.values()), api
+    )
+
+
+def _set_state(gen: torch.Generator, state: torch.Tensor) -> None:
+    gen.set_state(state)
+
+
+def _generator(value: Any) -> bool:
+    return isinstance(value, torch.Generator) and value is not torch.default_generator
 
 
 def host_rng() -> tuple[Any, Any]:
