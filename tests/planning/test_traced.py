@@ -371,6 +371,49 @@ def test_cutting_a_forward_with_batchnorm_leaves_its_buffers_and_trains_the_same
     _cut_trains_like_its_twin(NormedConvs(), torch.randn(4, 3, 16, 16), "all", steps=1)
 
 
+class FrozenNorms(nn.Module):
+    """Residual conv blocks written in the parent (no blocks to wrap: the forward is traced), their BatchNorm
+    frozen for fine-tuning (eval mode, no gradients) in a model in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 1)
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(4))
+        self.norms = nn.ModuleList(nn.BatchNorm2d(8) for _ in range(4))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for conv, norm in zip(self.convs, self.norms):
+            x = x + torch.relu(norm(conv(x)))
+        return x.square().mean()
+
+
+def test_a_plan_holds_in_the_step_of_a_model_whose_batchnorm_is_frozen():
+    # NOTE [Training mode keeps the modules the user froze]: auto switched the frozen norms on to profile and
+    # verify, so the traced plan, which runs only in the modes it was traced in, measured within the budget in
+    # auto while the user's step (norms frozen) ran the class's forward, at the peak without checkpointing.
+    torch.manual_seed(0)
+    model, x = FrozenNorms(), torch.randn(4, 3, 16, 16)
+    for norm in model.norms:
+        norm.eval().requires_grad_(False)
+    reference = copy.deepcopy(model)
+    peak = remat.measure(model, x, repeat=1, warmup=0).peak_bytes
+    plan = remat.auto(model, x, 0.7, repeat=1, warmup=0)
+    try:
+        assert plan.checkpointed and not any(norm.training for norm in model.norms)
+        assert remat.measure(model, x, repeat=1, warmup=0).peak_bytes == plan.measured_peak_bytes < 0.7 * peak
+        reference(x).backward()
+        model(x).backward()
+        assert_grads_equal(reference, model)
+        assert_buffers_equal(reference, model)
+        model.zero_grad(set_to_none=True)
+        model.train()  # the norms switched back on: the plan's trace does not hold, and the user is told once
+        with pytest.warns(UserWarning, match=r"4 module\(s\) \(norms.0, norms.1, norms.2, ...\) are in another"):
+            model(x).backward()
+    finally:
+        remat.remove(model)
+
+
 def _cut_trains_like_its_twin(model: nn.Module, x: torch.Tensor, strategy: str, steps: int) -> None:
     """Profiling leaves ``model`` as it was and cuts its traced forward; under the plan of ``strategy``, ``steps``
     steps give its un-checkpointed twin's gradients and buffers."""

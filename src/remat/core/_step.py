@@ -169,3 +169,23 @@ def _set_version(t: torch.Tensor, version: int) -> None:
 def input_grads(inputs: Inputs) -> list[torch.Tensor]:
     """The gradients the leaf inputs already hold: alive through every step (resting)."""
     return [t.grad for t in input_tensors(inputs) if t.is_leaf and t.grad is not None]
+
+
+# NOTE [Training mode keeps the modules the user froze]
+# remat profiles and verifies a training step whatever mode the model is in (``training=True``):
+# ``from_pretrained`` hands out a model in eval mode, trained after ``model.train()``. A model the
+# user already put in training mode may hold submodules they put back in eval mode: BatchNorm
+# frozen for fine-tuning (detection and segmentation do), a frozen encoder or teacher. Its
+# training step runs them so, and ``model.train()`` would switch them on: the profile measured
+# another step (batch statistics, the running ones updated), and a traced plan, which runs only
+# in the modes it was traced in, was measured within the budget by auto in those modes while
+# every step of the user's ran the class's forward, checkpointing nothing (a conv net with frozen
+# BatchNorm: a plan measured at 131,424 B, the user's step at 294,696 B, its peak without
+# checkpointing). So a model whose own mode is training keeps every module's mode as it is; one
+# in eval mode is switched whole.
+def set_training(model: nn.Module, training: bool | None) -> None:
+    """``model`` in ``training`` mode (None: as it is) for a step remat runs (NOTE [Training mode keeps the
+    modules the user froze]); the caller puts the modes back."""
+    if training is None or (training and model.training):
+        return
+    model.train(training)

@@ -16,6 +16,7 @@ from remat.core._hf import every_layer_runs
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot
 from remat.core._memtrack import empty_device_cache
 from remat.core._state import capture, restoring
+from remat.core._step import set_training
 from remat.core._user_errors import first_line, model_errors
 from remat.core.measure import compiled_peak, device_of, measure_peak
 from remat.errors import OutOfMemory as TheStepRanOut
@@ -91,8 +92,7 @@ def _step(model: nn.Module, inputs: Any, loss_fn: Any, plan: Plan, backend: str 
         every_layer_runs(model),  # NOTE [LayerDrop while planning]
         model_errors(model, "remat.auto", "the step that verifies the plan", plan.checkpointed),
     ):
-        if plan.training is not None:
-            model.train(plan.training)
+        set_training(model, plan.training)  # NOTE [Training mode keeps the modules the user froze]
         if backend is not None:
             return Step(compiled_peak(model, inputs, loss_fn, backend=backend, loop=loop))
         learn_on_fake_tensors(model, inputs, loss_fn, plan.checkpointed)  # NOTE [Blocks a profile never ran]

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from remat.core._costs import spent
 from remat.core._hf import cache_disabled, fake_tensors_untraced
 from remat.core._state import capture, host_rng, restoring, set_host_rng
-from remat.core._step import call_model
+from remat.core._step import call_model, set_training
 from remat.core._typing import Inputs
 from remat.core._user_errors import first_line, model_errors, where_raised
 from remat.errors import RematError
@@ -109,8 +109,7 @@ def _in_mode(model: nn.Module, training: bool | None) -> Iterator[None]:
     """``model`` in ``training`` mode (None: as it is) while inside; every module's own mode put back after."""
     modes = {m: m.training for m in model.modules()}
     try:
-        if training is not None:
-            model.train(training)
+        set_training(model, training)  # NOTE [Training mode keeps the modules the user froze]
         yield
     finally:
         for m, mode in modes.items():

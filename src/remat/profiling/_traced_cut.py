@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from remat.core._step import set_training
 from remat.core._user_errors import first_line
 from remat.errors import RematError
 from remat.profiling._traced_reads import WatchedReads, plain_attributes, put_back_attributes, reads_recorded
@@ -51,8 +52,7 @@ def _trace(
         raise TracedError("it has an instance-level forward (already wrapped or patched), not its class's")
     before = {m: m.training for m in model.modules()}
     try:
-        if training is not None:
-            model.train(training)
+        set_training(model, training)  # NOTE [Training mode keeps the modules the user froze]
         modes = {m: m.training for m in model.modules()}
         reads: dict[tuple[nn.Module, str], Any] = {}
         return _traced_with_buffers(model, reads), modes, reads

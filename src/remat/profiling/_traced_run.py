@@ -130,16 +130,27 @@ class TracedForward(PicklesBoundMethods):
         self.warned = False
         self.compiled = True
 
-    def _warn_once(self) -> None:
+    def _warn_once(self, what: str | None = None) -> None:
         if self.warned:
             return
         self.warned = True
-        changed = sorted(self.reads.changed())
+        if what is None:
+            changed = ", ".join(sorted(self.reads.changed()))
+            what = f"{changed} changed since the model's forward was traced for its plan, which holds what it read"
         warnings.warn(
-            f"remat: {', '.join(changed)} changed since the model's forward was traced for its plan, which holds "
-            "the values it read: the class's forward runs instead, checkpointing nothing. Call remat.auto (or "
+            f"remat: {what}: the class's forward runs instead, checkpointing nothing. Call remat.auto (or "
             "remat.apply with a new plan) again to checkpoint the changed model.",
             stacklevel=3,
+        )
+
+    def _other_modes(self) -> str:
+        model = self.own.__self__
+        names = {m: name for name, m in model.named_modules()}
+        other = [names.get(m, "?") or "the model" for m, mode in self.modes.items() if m.training != mode]
+        return (
+            f"{len(other)} module(s) ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}) are in another "
+            "training mode than when the model's forward was traced for its plan (model.train() switches modules "
+            "frozen in eval mode, BatchNorm say, back on)"
         )
 
     def _compiled(self) -> None:
@@ -156,7 +167,11 @@ class TracedForward(PicklesBoundMethods):
         self.compiled = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or any(m.training != mode for m, mode in self.modes.items()):
+        if not torch.is_grad_enabled():
+            return self.own(*args, **kwargs)
+        if any(m.training != mode for m, mode in self.modes.items()):
+            if self.own.__self__.training:  # a training step, in other modes than the plan's: say so once
+                self._warn_once(self._other_modes())
             return self.own(*args, **kwargs)
         if not self.reads.unchanged():
             self._warn_once()

@@ -17,6 +17,7 @@ from remat.core._loop import Loop, make_loop
 from remat.core._memtrack import empty_device_cache
 from remat.core._policy_registry import FULL, KEEP, POLICIES
 from remat.core._state import restoring
+from remat.core._step import set_training
 from remat.core._user_errors import check_devices, model_errors, require_module
 from remat.errors import OutOfMemory, RandomBranchWarning, RematError
 from remat.profiling._types import Profile
@@ -63,7 +64,8 @@ def profile(
             calibrated once) or a :class:`remat.profiling.targets.Target`.
         training: the mode to profile in: ``True`` (default) trains as the loop
             will, whatever mode the model is in now (``from_pretrained`` returns
-            eval models; dropout and BatchNorm change what blocks keep); ``False``
+            eval models; dropout and BatchNorm change what blocks keep), a model in
+            training mode with the modes its modules have (frozen BatchNorm); ``False``
             profiles eval mode; ``None`` the model's modes as they are. The
             model's modes are restored afterwards.
         optimizer: the ``torch.optim.Optimizer`` the loop steps after each backward:
@@ -246,8 +248,7 @@ def _module_profile(
 
     try:
         with costs("remat.profile"), restoring("remat.profile", restore_modes):  # NOTE [Where the time goes]
-            if training is not None:
-                model.train(training)
+            set_training(model, training)  # NOTE [Training mode keeps the modules the user froze]
             with model_errors(model, "remat.profile", "a profiled step" + (" on fake tensors" if fake else ""), names):
                 prof = _run(model, inputs, loss_fn, names, policies, warmup, repeat, fake, target, loop)
     except OutOfMemory as exc:
