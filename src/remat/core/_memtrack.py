@@ -62,6 +62,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from remat.core._collectives import is_cpu_collective, run_settled
+from remat.core._parameter_writes import note_writes
 from remat.core._writes import written_tensors
 
 T = TypeVar("T")
@@ -280,6 +281,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        note_writes(func, args, kwargs)  # NOTE [A step that writes parameters]
         start = time.perf_counter()
         if is_cpu_collective(func, args, kwargs):  # NOTE [A collective's buffers die on the step's thread]
             out = run_settled(func, args, kwargs)

@@ -24,6 +24,16 @@ during backward but not found in storage"), and the forward's copies were made
 beneath it. Under "full" nothing watches the ops, so where the copy is made
 changes nothing there.
 
+NOTE [Parameters a forward writes]
+A forward may write a parameter in place outside autograd (a vector quantiser re-initialising
+dead codes through ``.data``, an EMA codebook moved under ``no_grad``); recomputed, it wrote
+it again and computed from the written value (other gradients, every policy; torch's checkpoint
+alike). A first call watches the parameters of the modules it enters as their buffers, later
+calls those it wrote, and recomputation runs on a copy of the value before the write that
+requires grad as the parameter does (ops on it save what they saved in the forward). Not
+watched: one first written by a later call, a tensor subclass's (FSDP's shards), and an
+assignment to ``.data`` (no op to see), which ``remat.auto``'s comparison refuses.
+
 NOTE [Watching only when needed]
 The first forward of a callable (a wrapped module, a function) runs under a
 dispatch mode that copies a watched storage right before its first in-place
@@ -53,16 +63,17 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from remat.core import _nested_writes as nested_writes
 from remat.core._arguments import collect_tensors
 from remat.core._generators import OwnGenerators
+from remat.core._learned import Learned
 from remat.core._recomputing import bookkeeping, is_recomputing
 from remat.core._slots import Slots
 from remat.core._writes import storage_key
@@ -83,20 +94,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, *, expected: bool) -> bool:
 
 #: Buffers up to this many bytes are copied on entering their module without a dispatch mode.
 SNAPSHOT_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Learned:
-    """What the first forward of a checkpointed callable wrote (NOTE [Watching only when needed])."""
-
-    writes_inputs: bool
-    """It wrote in place to one of its inputs: keep watching every op."""
-    written_buffers: frozenset[tuple[int, str]]
-    """(id(module), buffer name) of the buffers it wrote."""
-    buffer_modules: tuple[weakref.ref, ...] = ()
-    """The modules with buffers it entered, and those under the checkpointed module: watched from the start."""
-    generators: tuple[torch.Generator, ...] = ()
-    """Generators of its own it drew from (NOTE [A generator of the call's own] in remat.core._generators)."""
 
 
 # NOTE [An input's version is its tensor's]
@@ -178,22 +175,31 @@ class Region:
     # -- forward -------------------------------------------------------------
     def watch_buffers(self, module: nn.Module) -> None:
         for name, buf in module._buffers.items():
-            if buf is None:
+            if buf is not None:
+                self.buffer_modules[id(module)] = module
+                self._watch(module, name, buf, SNAPSHOT_BYTES)
+        # NOTE [Parameters a forward writes]: every one on a first call, those it wrote on later ones
+        learned = self.learned if self.learned is not None and not self.learned.writes_inputs else None
+        for name, param in module._parameters.items():
+            if param is None or is_traceable_wrapper_subclass(param):  # FSDP's shards have no storage of their own
                 continue
-            self.buffer_modules[id(module)] = module
-            key = storage_key(buf)
-            if key not in self.watched:
-                self.watched[key] = buf
-                if self.learned is not None and not self.learned.writes_inputs:  # as watches_ops, narrowed
-                    self.entry_versions[key] = buf._version
-                    expected = (id(module), name) in self.learned.written_buffers
-                    if expected:
-                        self.expected.add(key)
-                    if expected or buf.untyped_storage().nbytes() <= SNAPSHOT_BYTES:
-                        self.note_write(buf)
-            owners = self.buffers.setdefault(key, [])
-            if not any(ref() is module and n == name for ref, n in owners):
-                owners.append((weakref.ref(module), name))
+            if learned is None or (id(module), name) in learned.written_buffers:
+                self._watch(module, name, param, -1)
+
+    def _watch(self, module: nn.Module, name: str, t: torch.Tensor, snapshot_bytes: int) -> None:
+        key = storage_key(t)
+        if key not in self.watched:
+            self.watched[key] = t
+            if self.learned is not None and not self.learned.writes_inputs:  # as watches_ops, narrowed
+                self.entry_versions[key] = t._version
+                expected = (id(module), name) in self.learned.written_buffers
+                if expected:
+                    self.expected.add(key)
+                if expected or t.untyped_storage().nbytes() <= snapshot_bytes:
+                    self.note_write(t)
+        owners = self.buffers.setdefault(key, [])
+        if not any(ref() is module and n == name for ref, n in owners):
+            owners.append((weakref.ref(module), name))
 
     def note_write(self, t: torch.Tensor) -> None:
         key = storage_key(t)
@@ -235,6 +241,10 @@ class Region:
         )
 
     def _buffer_module_refs(self) -> tuple[weakref.ref, ...]:
+        for owners in self.buffers.values():  # those holding a parameter it wrote too
+            for ref, _ in owners:
+                if (module := ref()) is not None:
+                    self.buffer_modules.setdefault(id(module), module)
         below = self.owner.modules() if self.owner is not None else ()
         for module in below:
             if any(b is not None for b in module._buffers.values()):
@@ -374,16 +384,18 @@ class Region:
 
     @contextlib.contextmanager
     def swapped_buffers(self) -> Iterator[None]:
-        swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+        swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         for key, owners in self.buffers.items():
             for ref, name in owners:
                 module = ref()
                 if module is None:
                     continue
-                swapped.append((module, name, module._buffers[name]))
-                module._buffers[name] = self.before[key].clone()
+                slots = module._parameters if name in module._parameters else module._buffers
+                swapped.append((slots, name, slots[name]))
+                # a parameter's copy requires grad as it does: ops on it save what they saved in the forward
+                slots[name] = self.before[key].clone().requires_grad_(slots[name].requires_grad)
         try:
             yield
         finally:
-            for module, name, original in reversed(swapped):
-                module._buffers[name] = original
+            for slots, name, original in reversed(swapped):
+                slots[name] = original

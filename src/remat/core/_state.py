@@ -31,14 +31,17 @@ import torch
 from torch import nn
 
 from remat.core._costs import spent
+from remat.core._parameter_writes import ParameterWrites
 from remat.errors import RematError
 
 # NOTE [Snapshots a step without an optimizer needs]
 # On the CPU the snapshot sits in the memory the step runs in: a copy of every parameter
 # is as much again as the model, and a budget that the step alone would meet is missed
 # by it (remat.auto's NOTE [Within the budget]). A training step without an optimizer
-# changes gradients, buffers and the RNG, never the parameters' values, so the callers
-# that run such steps (auto's verification) leave the values out.
+# changes gradients, buffers and the RNG, not the parameters' values, so the callers
+# that run such steps (auto's verification) leave the values out, and the snapshot watches
+# for a forward that writes them all the same (NOTE [A step that writes parameters] in
+# remat.core._parameter_writes).
 
 
 def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -69,6 +72,9 @@ class ModelState:
     host_rng: tuple[Any, Any] = (None, None)
     """Python's ``random`` state and NumPy's global one (None: NumPy not imported): models draw from them too
     (Wav2Vec2's SpecAugment masks), so a step remat runs must start from them and leave them as they were."""
+    watch: ParameterWrites | None = None
+    """Where parameters' values were left out: what the step wrote of them (NOTE [A step that writes
+    parameters] in remat.core._parameter_writes)."""
     own_rng: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
     """Generators the model's modules keep as attributes (``self.gen``), with their states: a step draws from them
     too (NOTE [A generator of the call's own] in remat.core._generators)."""
@@ -114,7 +120,9 @@ class ModelState:
         if name not in self.params:
             raise RematError("the step registered it; it did not exist before")
         data, grad, requires_grad = self.params[name]
-        if data is not None:  # None: not captured, the step does not change it
+        if data is None and self.watch is not None:  # not captured: put back only what the step wrote
+            self.watch.put_back(name, p)
+        if data is not None:
             if p.shape != data.shape or p.dtype != data.dtype:
                 raise RematError(
                     f"the step made it {tuple(p.shape)} {p.dtype}, it was {tuple(data.shape)} {data.dtype}"
@@ -161,8 +169,9 @@ def capture(model: nn.Module, api: str = "remat", *, parameters: bool = True) ->
         training = {name: m.training for name, m in model.named_modules(remove_duplicate=False)}
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         own = {id(g): (g, g.get_state()) for m in model.modules() for g in vars(m).values() if _generator(g)}
+        watch = None if parameters else ParameterWrites(model)
     return ModelState(
-        model, params, buffers, training, torch.get_rng_state(), cuda_rng, host_rng(), tuple(own.values()), api
+        model, params, buffers, training, torch.get_rng_state(), cuda_rng, host_rng(), watch, tuple(own.values()), api
     )
 
 
