@@ -733,6 +733,50 @@ def test_blocks_called_with_other_non_tensor_arguments_share_no_planned_segment(
             remat.remove(model)
 
 
+class _ReturnsMore(_BiasBlock):
+    """Returns its hidden state with a None and a number: a tuple a segment cannot hand on."""
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x))), None, 3
+
+
+class _SlicesPositions(nn.Module):
+    """Hands each block a view of its positions made for that call (``self.pos[:n]``): the same storage, another
+    tensor each time. ``returns_more``: its blocks return ``(hidden, None, 3)`` instead."""
+
+    def __init__(self, returns_more: bool, d: int = 8) -> None:
+        super().__init__()
+        self.returns_more = returns_more
+        self.blocks = nn.ModuleList((_ReturnsMore if returns_more else _KeywordBlock)(d) for _ in range(4))
+        self.pos, self.head = nn.Parameter(torch.randn(64, d)), nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.returns_more:
+                x, _, _ = block(x)
+            else:
+                x = block(x, temb=self.pos[: x.shape[1]])
+        return self.head(x).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("returns_more", [False, True], ids=["a view per call", "a tuple of three"])
+def test_the_floor_holds_no_segment_the_parent_cannot_run(returns_more):
+    # The floor and its plan held segments remat.apply then refused (the parent's calls differ by tensor identity;
+    # a tuple with a number in it is no hand-off), so auto could not reach the floor it named.
+    torch.manual_seed(0)
+    model, x = _SlicesPositions(returns_more), torch.randn(4, 64, 8)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    assert floor == remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    plan = remat.plan(prof, floor)
+    assert not plan.segments
+    remat.apply(model, plan)
+    try:
+        assert remat.measure(model, x, repeat=1, warmup=0).peak_bytes <= plan.predicted_peak_bytes
+    finally:
+        remat.remove(model)
+
+
 class _Residual(nn.Module):
     def __init__(self, d: int = 8, relu_first: bool = False) -> None:
         super().__init__()

@@ -11,7 +11,9 @@ chain's input, which the first block alone receives, is its hand-off, not an arg
 Arguments that are not tensors (their number, keywords and values: a diffusers down block calls
 its resnets with ``temb=None`` and its downsampler without) the profile records as the run-time
 check compares them, each value by identity (``Profile.new_arguments``), and a block called
-otherwise than the block before it starts a new run too. ``remat.core._segment`` still refuses a
+otherwise than the block before it starts a new run too; so does one handed other tensor objects than the
+block before it (a view the parent makes for each call, ``self.pos[:n]``: one storage, but the run-time check
+compares identities). ``remat.core._segment`` still refuses a
 chain whose calls differ at run time (a plan made by hand, a call that changes between steps).
 """
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Container
 from typing import Any
 
@@ -25,6 +26,19 @@ def call_form(args: tuple, kwargs: dict) -> tuple[tuple, list]:
     kept = [v for v in values if not isinstance(v, torch.Tensor) and not tensors_in(v) and not holds_cache(v)]
     identities = tuple(None if isinstance(v, torch.Tensor) else id(v) for v in values)
     return (len(args), tuple(sorted(kwargs)), identities), kept
+
+
+def _hands_off(output: Any) -> bool:
+    """A tensor, or a tuple of one and Nones: what a segment hands on (NOTE [Tuple hand-offs] in
+    remat.core._segment); anything else (``(x, None, 3)``, a dict, a dataclass) keeps the block out of segments."""
+    if isinstance(output, torch.Tensor):
+        return True
+    return (
+        type(output) is tuple
+        and bool(output)
+        and isinstance(output[0], torch.Tensor)
+        and all(v is None for v in output[1:])
+    )
 
 
 class CrossingLedger:
@@ -52,11 +66,14 @@ class CrossingLedger:
         self.call_forms: dict[str, tuple] = {}
         """Per block, its first call's arguments other than tensors (NOTE [Arguments a segment hands on])."""
         self._arguments: list[Any] = []
+        self._tensor_calls: list[list[weakref.ref]] = []
+        """The tensors beside the first argument of each call with other ones than before, weakly."""
         """Those arguments, kept to the step's end: their identities stay theirs."""
 
     def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict, module: nn.Module) -> None:
         if block not in self.call_forms:
-            self.call_forms[block], kept = call_form(args, kwargs)
+            form, kept = call_form(args, kwargs)
+            self.call_forms[block] = (*form, self._same_tensors(args, kwargs))
             self._arguments.append(kept)
         if self.tracker is None:
             return
@@ -66,10 +83,22 @@ class CrossingLedger:
         for ident in self._crossing_ids(block, occurrence, "in", (args, kwargs, held)):
             self.crossings[ident]["receivers"].append(("fwd", block, occurrence))
 
+    def _same_tensors(self, args: tuple, kwargs: dict) -> int:
+        """Which earlier call this one hands the very tensors beside its first argument (the segment's run-time
+        check compares them by identity: a view the parent makes for each call, ``self.pos[:n]``, is another
+        tensor each time, and its storage alone would call them alike); its number, or a new one."""
+        values = (*args[1:], *(kwargs[k] for k in sorted(kwargs)))
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        for n, refs in enumerate(self._tensor_calls):
+            if len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors)):
+                return n
+        self._tensor_calls.append([weakref.ref(t) for t in tensors])
+        return len(self._tensor_calls) - 1
+
     def note_outputs(self, block: str, occurrence: int, output: Any, outs: list) -> None:
         """``outs``: the tensors in ``output``."""
-        if len(outs) > 1:  # NOTE [Tuple hand-offs] in remat.core._segment: the parent may use the others
-            self.output_reads.setdefault(block, set()).add(None)
+        if len(outs) > 1 or not _hands_off(output):  # NOTE [Tuple hand-offs] in remat.core._segment: the parent
+            self.output_reads.setdefault(block, set()).add(None)  # may use the rest, which a segment cannot hand
         if self.tracker is None:
             return
         for ident in self._crossing_ids(block, occurrence, "out", output):
