@@ -16,6 +16,7 @@ from torch import nn
 import remat
 from remat.planning import _candidates as candidates_module
 from remat.planning import _verify_step as step_module
+from remat.planning import _within as within_module
 from remat.planning import apply as apply_module
 from remat.planning._nested import Costs, Node, costs_of, extra_time, simulate, solve_nested, to_plan
 from remat.planning._nested_plan import lowest_nested
@@ -187,6 +188,10 @@ def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch, caplog
     torch.manual_seed(0)
     model, x = _ByKeyword(*conv_chain()), torch.randn(2, 3, 16, 16)
     prof = remat.profile(model, x, repeat=1, warmup=0)
+    # the profile sees each block handed another tensor by keyword (NOTE [Arguments a segment hands on]): its view
+    # is the first guard, and this test is of the run-time one, so the profile is made to see a chain
+    assert prof.new_arguments == tuple(b.name for b in prof.blocks[1:])
+    prof = replace(prof, new_arguments=())
     one_level = remat.plan(prof, strategy="none", nested=False).min_peak_bytes
     assert remat.plan(prof, strategy="none").min_peak_bytes < one_level  # auto's last resort is nested
     real, seen = step_module.measured_step, []
@@ -198,6 +203,7 @@ def test_auto_plans_one_level_deep_where_segments_cannot_run(monkeypatch, caplog
 
     monkeypatch.setattr(candidates_module, "measured_step", measured)
     monkeypatch.setattr(apply_module, "make_profile", lambda *a, **k: prof)
+    monkeypatch.setattr(within_module, "make_profile", lambda *a, **k: prof)  # the fake profile below the peak
     with caplog.at_level(logging.INFO, logger="remat"):
         plan = remat.auto(model, x, (one_level + prof.baseline_peak_bytes) // 2)
     # Said once, in remat's words: the model did nothing wrong (no "fix the error", no internal traceback).
@@ -773,6 +779,46 @@ def test_the_floor_holds_no_segment_the_parent_cannot_run(returns_more):
     remat.apply(model, plan)
     try:
         assert remat.measure(model, x, repeat=1, warmup=0).peak_bytes <= plan.predicted_peak_bytes
+    finally:
+        remat.remove(model)
+
+
+class _ScaledCalls(nn.Module):
+    """Calls each block through ``torch.func.functional_call`` with its weights scaled for the call."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_KeywordBlock(d) for _ in range(4))
+        self.scale, self.head = nn.Parameter(torch.tensor(1.03)), nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.func.functional_call(block, {k: v * self.scale for k, v in block.named_parameters()}, (x,))
+        return self.head(x).logsumexp(-1).mean()
+
+
+def test_blocks_called_with_other_weights_get_no_segment_and_a_hand_made_one_refuses():
+    # NOTE [Blocks called with other weights] in remat.core._segment: a segment ran its later blocks with their own
+    # weights, before the parent put the scaled ones in: the gradient of the scale was wrong (0.28 off).
+    torch.manual_seed(0)
+    model, x = _ScaledCalls(), torch.randn(4, 64, 8)
+    reference = _grads(model, x)
+    prof = remat.profile(model, x, repeat=1, warmup=0)
+    floor = remat.plan(prof, strategy="none").min_peak_bytes
+    assert floor == remat.plan(prof, strategy="none", nested=False).min_peak_bytes
+    assert not remat.plan(prof, floor).segments
+    none = remat.plan(prof, strategy="none", nested=False)
+    hand = replace(none, assignment={**none.assignment, "blocks.2": "full"}, segments=(("blocks.0", "blocks.2"),))
+    remat.apply(model, hand)
+    try:
+        with pytest.raises(remat.RematError, match="other parameters or buffers than its own"):
+            _grads(model, x)
+    finally:
+        remat.remove(model)
+    model.zero_grad(set_to_none=True)
+    remat.apply(model, remat.plan(prof, floor))
+    try:
+        assert all(torch.equal(g, reference[n]) for n, g in _grads(model, x).items())
     finally:
         remat.remove(model)
 

@@ -40,6 +40,15 @@ return the segment's output in the same shape (``(hidden, None, ...)``). A tuple
 with another tensor in it (attention weights, T5's position bias) is not: remat
 cannot tell whether the parent uses that tensor, so the segment refuses to run.
 
+NOTE [Blocks called with other weights]
+A parent may call its blocks through ``torch.func.functional_call`` with weights of its own
+for the call (scaled, averaged, meta-learned). A segment runs its later blocks inside the
+first block's call, before the parent puts those weights in for them, so it computed with
+the blocks' own: other gradients. The segment records its later blocks' parameter and buffer
+slots as it runs them (``remat.core._slots``), and a later block whose slots hold other
+tensors when the parent calls it refuses to run as part of it; the profile keeps such blocks
+out of segments (``remat.profiling._crossing_ledger``).
+
 NOTE [Buffers of a block a segment runs]
 A region watches the buffers of every module entered in its forward, seen by a global
 forward pre-hook (NOTE [What recomputation must not repeat] in remat.core._region).
@@ -62,6 +71,7 @@ from torch import nn
 from remat.core._bound import PicklesBoundMethods
 from remat.core._hf import layerdrop_settings
 from remat.core._region import REGION_BUFFER_MODULES
+from remat.core._slots import Slots
 from remat.core.checkpoint import checkpoint
 from remat.errors import RematError
 
@@ -200,7 +210,7 @@ def _hand_off(out: Any) -> tuple[torch.Tensor, tuple | None]:
 class _Head(PicklesBoundMethods):
     """Instance-level ``forward`` of a segment's first block: runs the segment as one region."""
 
-    _unpickled = ("last",)  # weak references (the last call's check), made again by the next call
+    _unpickled = ("last", "slots")  # the last call's (weak references, slots), made again by the next call
 
     def __init__(self, module: nn.Module, run: _Run, names: list[str]) -> None:
         self.own = _compute(module)
@@ -210,8 +220,12 @@ class _Head(PicklesBoundMethods):
         self.last: tuple[Any, int | None, tuple, dict, list[int | None]] | None = None
         self.tail: tuple | None = None
         """The Nones after the hidden state when the blocks return tuples (NOTE [Tuple hand-offs])."""
+        self.slots: dict[str, Slots] = {}
+        """The later blocks' parameters and buffers as the segment ran them (NOTE [Blocks called with other
+        weights])."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.slots = {name: Slots(block) for name, block in zip(self.names[1:], self.run.blocks[1:])}
         if not args:
             raise NotAChain(
                 f"remat.apply: the parent calls block {self.names[0]} with keyword arguments only, so remat cannot "
@@ -241,6 +255,14 @@ class _Skip(PicklesBoundMethods):
         self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ran = self.head.slots.get(self.name)
+        if ran is not None and not ran.held_still():  # NOTE [Blocks called with other weights]
+            raise NotAChain(
+                f"remat.apply: block {self.name} sits in a nested segment {self.head.names[0]}..{self.head.names[-1]} "
+                "but its parent calls it with other parameters or buffers than its own (torch.func.functional_call "
+                "puts them in for the call), which the segment, running it inside the first block's call, did not "
+                "see. Plan with remat.plan(profile, budget, nested=False) for this model."
+            )
         if not self._is_chained(args, kwargs):
             raise NotAChain(
                 f"remat.apply: block {self.name} sits in a nested segment {self.head.names[0]}..{self.head.names[-1]} "

@@ -49,6 +49,12 @@ class Slots:
             (slots, slots.copy()) for m in module.modules() for slots in (m._parameters, m._buffers) if slots
         ]
 
+    def held_still(self) -> bool:
+        """Whether every slot holds what it held when recorded (no other tensor put in for a call since)."""
+        return all(
+            slots.keys() == then.keys() and all(slots[n] is t for n, t in then.items()) for slots, then in self._held
+        )
+
     @contextlib.contextmanager
     def as_called(self) -> Iterator[None]:
         """The slots as the call began while the block runs (NOTE [A module's tensors as its forward saw them])."""

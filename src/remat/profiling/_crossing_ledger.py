@@ -12,6 +12,7 @@ from torch import nn
 
 from remat.core._caches import CacheCopies, holds_cache
 from remat.core._memtrack import StorageTracker, op_tensors, storages
+from remat.core._slots import Slots
 from remat.profiling._segment import Segment, tensors_in
 
 
@@ -45,8 +46,12 @@ class CrossingLedger:
     """The :class:`~remat.profiling._trace.SegmentRecorder`'s account of storages across blocks; records
     nothing without a storage tracker."""
 
-    def __init__(self, tracker: StorageTracker | None, live: Callable[[], int]) -> None:
-        """``live``: the recorder's live bytes now."""
+    def __init__(
+        self, tracker: StorageTracker | None, live: Callable[[], int], own: dict[str, Slots] | None = None
+    ) -> None:
+        """``live``: the recorder's live bytes now; ``own``: each block's parameter and buffer slots before the
+        step (NOTE [Blocks called with other weights] in remat.core._segment)."""
+        self._own = own or {}
         self.tracker = tracker
         self._live = live
         self.crossings: dict[tuple, dict[str, Any]] = {}
@@ -73,7 +78,9 @@ class CrossingLedger:
     def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict, module: nn.Module) -> None:
         if block not in self.call_forms:
             form, kept = call_form(args, kwargs)
-            self.call_forms[block] = (*form, self._same_tensors(args, kwargs))
+            own = self._own.get(block)
+            other_weights = own is not None and not own.held_still()  # a call of its own: no segment runs it
+            self.call_forms[block] = (*form, self._same_tensors(args, kwargs), id(kept) if other_weights else None)
             self._arguments.append(kept)
         if self.tracker is None:
             return

@@ -36,6 +36,7 @@ from torch import nn
 from remat.core._memtrack import CudaAllocator, StorageTracker, storage_bytes, storages
 from remat.core._recomputing import in_bookkeeping, recompute_observer
 from remat.core._region import REGION_BUFFER_MODULES, SNAPSHOT_BYTES
+from remat.core._slots import Slots
 from remat.core._timing import WallClock
 from remat.core._writes import written_tensors
 from remat.core.checkpoint import SAVE_OPS
@@ -96,7 +97,8 @@ class SegmentRecorder:
         self._counts: dict[tuple[str, str | None], int] = {}
         self._handles: list[Any] = []
         self._current: Segment | None = None
-        self.ledger = CrossingLedger(tracker, self._live)
+        own = {b: Slots(m) for b in self.blocks if (m := self.modules.get(b)) is not None}
+        self.ledger = CrossingLedger(tracker, self._live, own)
         """Storages across blocks (NOTE [Storages across blocks] in remat.profiling._crossing), reads of outputs."""
         self.recomputes: dict[tuple[str, int], dict[str, Any]] = {}
         """Each block's recomputations: (block, k-th) -> segment it ran in, delta and excess of live bytes."""
