@@ -30,7 +30,8 @@ from remat.core._writes import storage_key, written_tensors
 __all__ = ["ParameterWrites", "note_writes"]
 
 _ACTIVE: list[weakref.ref] = []
-"""The watches of snapshots not restored yet (usually none or one)."""
+"""The watches of live snapshots (usually none or one): a snapshot may be restored after each of several steps,
+so it watches until it is let go of."""
 
 
 class ParameterWrites:
@@ -46,11 +47,8 @@ class ParameterWrites:
             self._keys.setdefault(storage_key(p), (name, p))
         self.before: dict[str, torch.Tensor] = {}
         """Per parameter written in place, its value before the first write (on the CPU)."""
+        _ACTIVE[:] = [ref for ref in _ACTIVE if ref() is not None]
         _ACTIVE.append(weakref.ref(self))
-
-    def close(self) -> None:
-        """Stop watching (the snapshot was restored)."""
-        _ACTIVE[:] = [ref for ref in _ACTIVE if ref() not in (None, self)]
 
     def _note(self, t: torch.Tensor) -> None:
         found = self._keys.get(storage_key(t))
