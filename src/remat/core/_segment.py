@@ -192,11 +192,19 @@ class _Run(PicklesBoundMethods):
         return [m for block in self.blocks for m in block.modules()]
 
 
+def hands_off(out: Any) -> bool:
+    """A tensor, or a tuple of one tensor and Nones: an output a segment hands on (NOTE [Tuple hand-offs]); the
+    profile keeps a block returning anything else out of segments (``remat.profiling._crossing_ledger``)."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return type(out) is tuple and bool(out) and isinstance(out[0], torch.Tensor) and all(v is None for v in out[1:])
+
+
 def _hand_off(out: Any) -> tuple[torch.Tensor, tuple | None]:
     """(what the next block of the chain gets, the rest of a tuple output or None); NOTE [Tuple hand-offs]."""
     if isinstance(out, torch.Tensor):
         return out, None
-    if type(out) is tuple and out and isinstance(out[0], torch.Tensor) and all(v is None for v in out[1:]):
+    if hands_off(out):
         return out[0], out[1:]
     raise RematError(
         f"remat.apply: a block inside a nested segment returned a {type(out).__name__}"

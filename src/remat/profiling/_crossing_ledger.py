@@ -12,6 +12,7 @@ from torch import nn
 
 from remat.core._caches import CacheCopies, holds_cache
 from remat.core._memtrack import StorageTracker, op_tensors, storages
+from remat.core._segment import hands_off
 from remat.core._slots import Slots
 from remat.profiling._segment import Segment, tensors_in
 
@@ -27,19 +28,6 @@ def call_form(args: tuple, kwargs: dict) -> tuple[tuple, list]:
     kept = [v for v in values if not isinstance(v, torch.Tensor) and not tensors_in(v) and not holds_cache(v)]
     identities = tuple(None if isinstance(v, torch.Tensor) else id(v) for v in values)
     return (len(args), tuple(sorted(kwargs)), identities), kept
-
-
-def _hands_off(output: Any) -> bool:
-    """A tensor, or a tuple of one and Nones: what a segment hands on (NOTE [Tuple hand-offs] in
-    remat.core._segment); anything else (``(x, None, 3)``, a dict, a dataclass) keeps the block out of segments."""
-    if isinstance(output, torch.Tensor):
-        return True
-    return (
-        type(output) is tuple
-        and bool(output)
-        and isinstance(output[0], torch.Tensor)
-        and all(v is None for v in output[1:])
-    )
 
 
 class CrossingLedger:
@@ -69,11 +57,12 @@ class CrossingLedger:
         """Per block: the other forward segments (block, or None for the parent's code) whose ops read its
         output (NOTE [What the parent does with a block's output] in remat.planning._nested)."""
         self.call_forms: dict[str, tuple] = {}
-        """Per block, its first call's arguments other than tensors (NOTE [Arguments a segment hands on])."""
+        """Per block, how it was called: its arguments other than tensors (NOTE [Arguments a segment hands on]),
+        which tensors beside its first argument, and whether with other weights than its own."""
         self._arguments: list[Any] = []
+        """Those arguments, kept to the step's end: their identities stay theirs."""
         self._tensor_calls: list[list[weakref.ref]] = []
         """The tensors beside the first argument of each call with other ones than before, weakly."""
-        """Those arguments, kept to the step's end: their identities stay theirs."""
 
     def note_inputs(self, block: str, occurrence: int, args: tuple, kwargs: dict, module: nn.Module) -> None:
         if block not in self.call_forms:
@@ -104,7 +93,7 @@ class CrossingLedger:
 
     def note_outputs(self, block: str, occurrence: int, output: Any, outs: list) -> None:
         """``outs``: the tensors in ``output``."""
-        if len(outs) > 1 or not _hands_off(output):  # NOTE [Tuple hand-offs] in remat.core._segment: the parent
+        if len(outs) > 1 or not hands_off(output):  # NOTE [Tuple hand-offs] in remat.core._segment: the parent
             self.output_reads.setdefault(block, set()).add(None)  # may use the rest, which a segment cannot hand
         if self.tracker is None:
             return
