@@ -235,8 +235,9 @@ def test_the_slice_is_sized_for_the_budget_above_the_fixed_bytes():
     assert reference_batch(64, 4000, 1000, 5000) == 64  # the whole batch fits
     assert reference_batch(64, 9000, 1000, 1000) is None  # no room above the fixed bytes
     assert reference_batch(64, 9000, 1000, 1050) is None  # not one sample's worth
-    # one sample's worth is not a slice: batch norm in training refuses it (NOTE [A reference on a slice ...])
-    assert reference_batch(64, 9000, 1000, 1200) is None and reference_batch(64, 9000, 1000, 1300) == 2
+    # one sample's worth is a slice: batches of 2 or 3 have one (NOTE [A reference on a slice of the batch])
+    assert reference_batch(64, 9000, 1000, 1200) == 1 and reference_batch(64, 9000, 1000, 1300) == 2
+    assert reference_batch(2, 9000, 1000, 6000) == 1 and reference_batch(1, 9000, 1000, 6000) is None
     assert reference_batch(64, 9000, 1000, 8999) == 32  # at most half: a slice is only taken below the whole
 
 

@@ -216,14 +216,62 @@ def test_auto_compares_plans_with_the_step_without_checkpointing_on_a_slice_of_t
     assert _untouched(model, before)
 
 
+def _assert_trains_as(twin: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    """``model``'s step (under its plan) gives every gradient ``twin``'s (without checkpointing) gives."""
+    for net in (twin, model):
+        torch.manual_seed(1)
+        net(x).square().mean().backward()
+    for (n, a), (_, b) in zip(twin.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_a_batch_of_three_is_compared_on_one_sample():
+    # A slice had two samples at least: batches of 2 or 3 (long-sequence fine-tuning) were compared with the
+    # lowest-peak plan, which at the floor is the plan itself: a block recomputing another function passed.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Noisy() for _ in range(4))), torch.randn(3, 512, 32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    options = {"repeat": 1, "warmup": 0, "policies": ("keep", "full")}
+    floor = remat.plan(remat.profile(model, x, **options), strategy="none", nested=False).min_peak_bytes
+    pattern = r"differed from the step without checkpointing, on the first 1 of the batch's 3 samples"
+    with pytest.raises(remat.RematError, match=pattern):
+        remat.auto(model, x, floor, **options)
+    assert _untouched(model, before)
+
+
 def test_where_the_batch_cannot_be_sliced_the_notes_say_what_the_comparison_cannot_see():
     torch.manual_seed(0)
-    model, x = nn.Sequential(*(Block() for _ in range(6))), torch.randn(3, 512, 32)
+    model, x = nn.Sequential(*(Block() for _ in range(6))), torch.randn(1, 1536, 32)
     plan = remat.auto(model, x, 0.6, repeat=1, warmup=0)
     try:
         said = " ".join(plan.notes)
-        assert "not compared on a slice: a batch of 3 has no smaller slice of 2 or more samples" in said, said
+        assert "not compared on a slice: a batch of 1 sample has no smaller slice" in said, said
         assert "compared with the lowest-peak one-level plan, not with it: a block whose recomputation" in said
+    finally:
+        remat.remove(model)
+
+
+def test_a_reference_out_of_memory_on_its_smallest_slice_leaves_the_lowest_peak_plan_as_reference(monkeypatch):
+    # auto raised here, on the device the user has, while the plans it would have verified fit.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(Block() for _ in range(6))), _x()
+    twin = copy.deepcopy(model)
+    measure_peak, refused = step_module.measure_peak, []
+
+    def no_room_without_checkpointing(model, inputs, loss_fn, loop):
+        if not any(remat.is_wrapped(m) for m in model.modules()):
+            refused.append(inputs.shape[0])
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return measure_peak(model, inputs, loss_fn, loop)
+
+    monkeypatch.setattr(step_module, "measure_peak", no_room_without_checkpointing)
+    plan = remat.auto(model, x, 0.5, repeat=1, warmup=0)
+    try:
+        said = " ".join(plan.notes)
+        assert refused and refused[-1] == 1 and plan.verified, (refused, said)
+        assert "The step without checkpointing ran out of device memory on its first 1 of the batch's 32" in said
+        assert "compared with the lowest-peak one-level plan, not with it" in said
+        _assert_trains_as(twin, model, x)
     finally:
         remat.remove(model)
 
@@ -235,12 +283,7 @@ def test_a_verified_plan_says_what_was_compared_and_trains_the_same_function():
     plan = remat.auto(model, x, 0.5, repeat=1, warmup=0)
     try:
         assert plan.checkpointed and any("bit for bit" in n for n in plan.notes)
-        torch.manual_seed(1)
-        model(x).square().mean().backward()
-        torch.manual_seed(1)
-        twin(x).square().mean().backward()
-        for (n, a), (_, b) in zip(twin.named_parameters(), model.named_parameters()):
-            assert torch.equal(a.grad, b.grad), n
+        _assert_trains_as(twin, model, x)
     finally:
         remat.remove(model)
 

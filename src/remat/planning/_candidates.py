@@ -233,7 +233,20 @@ class Candidates:
             if self.findings.samples is None:
                 keep, over = self._lowest_instead(traced, over)
         self.reference_plan = keep
-        step = self._reference_step(keep)
+        try:
+            step = self._reference_step(keep)
+        except OutOfMemory as err:
+            # out of memory on its smallest slice: the lowest-peak plan instead, where it is within the budget
+            # (NOTE [The step verified plans are compared with])
+            lowest = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
+            if self.limit is None or keep.assignment != own or lowest > self.limit:
+                raise
+            log.info("remat.auto: the step without checkpointing ran out of device memory: %s", first_line(err))
+            where = self._where_it_ran()
+            self.findings.samples, self.compared_on, self.findings.unsliced = None, self.inputs, ""
+            keep, over = self._lowest_instead(traced, f" ran out of device memory {where}")
+            self.reference_plan = keep
+            step = self._reference_step(keep)
         if self.findings.unsliced:
             over = f", on the whole batch, over the budget: {self.findings.unsliced}"
         if below:
@@ -243,6 +256,14 @@ class Candidates:
             )
         self.findings.reference = step.summary
         return step.summary
+
+    def _where_it_ran(self) -> str:
+        """Which samples the step that ran out of memory ran on, for the note."""
+        if self.findings.samples is not None:
+            return f"on its first {self.findings.samples[0]} of the batch's {self.findings.samples[1]} samples"
+        if self.findings.unsliced:
+            return f"on the whole batch ({self.findings.unsliced})"
+        return "on the whole batch"
 
     def _lowest_instead(self, traced: bool, unsliced: str) -> tuple[Plan, str]:
         """The lowest-peak one-level plan as the reference, where the step without checkpointing is over the budget
@@ -276,9 +297,9 @@ class Candidates:
             if batch is None:
                 why = "no first dimension is shared by more of its inputs than any other"
             elif batch // 2 < MIN_SAMPLES:
-                why = f"a batch of {batch} has no smaller slice of {MIN_SAMPLES} or more samples"
+                why = f"a batch of {batch} sample has no smaller slice"
             else:
-                why = f"even {MIN_SAMPLES} samples are predicted over"
+                why = f"even {MIN_SAMPLES} sample is predicted over"
             return f" (predicted {human_bytes(predicted)}, over the budget, and not compared on a slice: {why})"
         self._compare_on(b, batch)
         return (
@@ -343,8 +364,8 @@ class Candidates:
 # diffusers VAE's reconstruction loss, ``(output.sample - images).square().mean()``: the sliced step raised a
 # shape mismatch, and auto told the user their training step had failed). The step the user runs is the
 # whole batch's, so a reference that fails on the slice runs on the whole batch instead, over the budget, as
-# it did before slices: on a device the budget is the size of, that step may run out of memory, and auto's
-# error then says so. Every plan compared with it runs on the whole batch too.
+# it did before slices: on a device the budget is the size of, that step may run out of memory, and the
+# lowest-peak one-level plan is the reference then. Every plan compared with it runs on the whole batch too.
 def _not_on_a_slice(b: int, err: RematError) -> str:
     """Why a reference that failed on the first ``b`` samples runs on the whole batch."""
     said = err.__cause__ if err.__cause__ is not None else err

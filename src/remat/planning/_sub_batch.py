@@ -17,12 +17,14 @@ budget. An input of another first dimension that is per sample (a sequence-first
 a batch-first one) makes the step on the slice fail on a shape, and that step is compared on
 the whole batch as below. ``b`` scales the reference's predicted bytes above the step's fixed
 ones (parameters, buffers, inputs, gradients, optimizer state) linearly in the batch, with a
-tenth to spare; a reference that still runs out halves ``b``. A slice has at least
-``MIN_SAMPLES`` (two): training-mode batch norm refuses one sample of a ``(N, C)`` input, and
-one sample has no batch statistics to compare. A step that fails on the slice (a ``loss_fn``
-with a target of the whole batch) is compared on the whole batch instead (NOTE [A step that
-depends on the batch size] in remat.planning._candidates); one that runs on it computes the
-reference and every plan compared with it on the same samples.
+tenth to spare; a reference that still runs out halves ``b``. A slice may be one sample: the batches
+of two or three long sequences that fine-tuning uses, and a batch whose parameters and gradients
+leave room for one sample's activations only, had no slice of two, and their plans were compared
+with the lowest-peak plan, which sees less. A step that fails on the slice (training-mode batch norm
+refuses one sample of a ``(N, C)`` input; a ``loss_fn`` with a target of the whole batch) is compared
+on the whole batch instead (NOTE [A step that depends on the batch size] in
+remat.planning._candidates); one that runs on it computes the reference and every plan compared
+with it on the same samples.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ __all__ = ["MIN_SAMPLES", "batch_size", "reference_batch", "sliced"]
 #: The share of the budget above the fixed bytes a sliced reference is sized for.
 SPARE = 0.9
 #: The fewest samples a slice has (NOTE [A reference on a slice of the batch]).
-MIN_SAMPLES = 2
+MIN_SAMPLES = 1
 
 
 def batch_size(inputs: Any) -> int | None:

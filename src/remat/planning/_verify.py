@@ -33,10 +33,12 @@ checkpoint, and auto holds no more than the budget (NOTE [Within the budget] in
 remat.planning._within): there the step without checkpointing, and each plan's comparison
 step, run on a slice of the batch (NOTE [A reference on a slice of the batch] in
 remat.planning._sub_batch), each plan's own step on the whole batch giving its peak. It is
-measured first, before any faster plan (the low-memory side first): if even it runs out of
-device memory, no plan can be verified and auto raises. Only where the batch cannot be sliced
-(no first dimension its inputs share, or fewer than two samples fit) are plans compared with
-the lowest-peak one-level plan, on the whole batch, and the notes say what that cannot see.
+measured first, before any faster plan (the low-memory side first). Only where the batch
+cannot be sliced (one sample, no first dimension its inputs share, or not even one sample
+predicted to fit), or where that step ran out of device memory on its smallest slice (or on the
+whole batch, where the step fails on a slice), are plans compared with the lowest-peak one-level
+plan, and the notes say what that cannot see: auto raised there, on the device the user has,
+while the plan it would have verified fit. If the lowest-peak plan runs out too, auto raises.
 
 NOTE [A traced forward is compared with the model's own]
 A traced plan's units are segments of the model's forward as torch.fx recorded it, and
