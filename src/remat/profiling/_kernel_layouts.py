@@ -61,6 +61,8 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.profiling._rnn_workspace import RNN_LAYER, with_workspace
+
 aten = torch.ops.aten
 
 
@@ -185,11 +187,14 @@ def _grouped_mm_output(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 
 def kernel_output(func: Any, args: tuple, kwargs: dict, *, cuda: bool = False) -> Any:
     """``func(*args, **kwargs)`` on fake tensors, or, where its meta kernel refuses what the target's kernel runs,
-    the output that kernel allocates (NOTE [Grouped matmuls in float32])."""
+    the output that kernel allocates (NOTE [Grouped matmuls in float32]), or leaves out what it returns (NOTE [A
+    recurrent layer's workspace on the CPU] in remat.profiling._rnn_workspace)."""
     if func in GROUPED_MM and not cuda:
         a = _argument(func, args, kwargs, "self")
         if isinstance(a, torch.Tensor) and a.dtype in _GROUPED_MM_CPU_ONLY:
             return _grouped_mm_output(func, args, kwargs)
+    if func in RNN_LAYER and not cuda:
+        return with_workspace(func, args, kwargs, func(*args, **kwargs))
     return func(*args, **kwargs)
 
 
