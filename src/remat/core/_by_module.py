@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -262,11 +263,39 @@ class _RegionForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         frame = _Frame(self.forward, args, kwargs, self.module, self.writes, self.owner)
+        before = fingerprint()
         with torch.autograd.graph.saved_tensors_hooks(frame.pack, _Frame.unpack):
             out = self.forward(*args, **kwargs)
+        if fingerprint() != before:  # NOTE [A region that begins to draw]
+            frame.drew = True
+            _warn_drew(self.module, self.owner)
         frame.settle(out)
         self.outputs.register(frame, out)
         return out
+
+
+# NOTE [A region that begins to draw]
+# What a cheap submodule does is learned on its block's first call (NOTE [A region never draws]), but a
+# submodule may begin to draw later: a dropout whose rate a schedule raises from 0 (``nn.Dropout(0.0)``
+# draws nothing), a stochastic depth switched on after warm-up. Its region reran in backward with no
+# generator restored and drew another mask: gradients of every layer before it differed from the model's.
+# So each region call compares the generators' states around its forward (two reads, about 10 us), and a
+# call that drew keeps what it saved, as the unwrapped module would (``_Frame.drew``): its gradients are the
+# model's, its memory that of keeping it, which the plan did not predict; a warning says so once per module.
+_warned: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_drew(module: nn.Module, owner: nn.Module | None) -> None:
+    if module in _warned:
+        return
+    _warned.add(module)
+    warnings.warn(
+        f"remat: selective checkpointing learned {type(module).__name__} (in {type(owner).__name__}) as a cheap "
+        "region that draws no random numbers, and it drew on a later call (a dropout rate raised from 0, say): "
+        "what it saves is kept from now on, not recomputed, so its gradients stay the model's and the block holds "
+        "more memory than the plan predicted. Re-plan (remat.auto) after changing the model's randomness.",
+        stacklevel=3,
+    )
 
 
 _MISSING = object()

@@ -86,6 +86,8 @@ class _Frame:
         """Bytes of the autocast copies of its output that consumers saved as handles."""
         self.output: torch.Tensor | None = None
         self.views: list[_OutputView] = []
+        self.drew = False
+        """Its forward drew random numbers: it keeps what it saved (NOTE [A region that begins to draw])."""
 
     def pack(self, t: torch.Tensor) -> Any:
         key = storage_key(t)
@@ -135,7 +137,7 @@ class _Frame:
         if self.direct:
             freed[self.out_key] = self.out_bytes
         transient = self.out_bytes if self.consumers == 0 else 0
-        if sum(freed.values()) + self.copy_bytes > self.held + transient and self._inputs_alive():
+        if not self.drew and sum(freed.values()) + self.copy_bytes > self.held + transient and self._inputs_alive():
             for saved in self.pending:
                 saved.tensor = None
             for view in self.views:
