@@ -372,3 +372,41 @@ def test_a_forward_that_writes_its_argument_list_recomputes_from_the_list_it_was
     _steps_match(ref, model, torch.randn(5, 4), 2)
     if policy == "full":
         assert all(stage.recomputed == 2 for stage in model.stages)
+
+
+class _Statistics(nn.Module):
+    """Buffers only: an observer, as QAT's fake-quantize modules keep one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.zeros(6))
+
+
+class _HandsOnItsChildsBuffers(nn.Module):
+    """Updates its child's statistics in place without calling it, as torch's ``FusedMovingAvgObsFakeQuantize``
+    hands its observer's ``min_val``/``max_val`` to ``fused_moving_avg_obs_fake_quant``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.observer = _Statistics()
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.observer.running.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return self.lin(x) * (1 + self.observer.running)
+
+
+def test_the_buffers_of_a_submodule_never_entered_change_once():
+    # NOTE [Buffers of submodules never entered]: recomputation updated them again and read the update
+    torch.manual_seed(0)
+    ref = _HandsOnItsChildsBuffers()
+    model = twin(ref)
+    x = torch.randn(5, 6, requires_grad=True)
+    for seed in range(3):
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+        step(ref, x, seed=seed)
+        step(model, x, seed=seed, fn=lambda t: remat.checkpoint(lambda u: model(u), t))
+        assert_grads_equal(ref, model)
+        assert_buffers_equal(ref, model)

@@ -131,3 +131,18 @@ def test_a_buffer_a_step_wrote_into_its_graph_is_a_leaf_again_after_the_restore(
     assert model.ema.grad_fn is None and not model.ema.requires_grad
     assert torch.equal(model.ema, torch.zeros(8))
     copy.deepcopy(model)  # refused while the buffer was a graph's
+
+
+def test_a_buffer_a_step_resized_is_put_back_at_its_size_in_place():
+    # QAT's per-channel observers size their statistics on their first step: remat.auto left 44 of them resized
+    # (0 or 1 elements before, 128 after) and the model was not as the user handed it.
+    model = nn.Linear(4, 4)
+    model.register_buffer("scale", torch.ones(1))
+    model.register_buffer("min_val", torch.empty(0))
+    scale, min_val = model.scale, model.min_val
+    state = capture(model)
+    model.scale.resize_(4).fill_(3.0)
+    model.min_val.resize_(4).fill_(-1.0)
+    state.restore()
+    assert model.scale is scale and model.min_val is min_val  # the objects others hold (the observer's)
+    assert torch.equal(model.scale, torch.ones(1)) and model.min_val.shape == (0,)

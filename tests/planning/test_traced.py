@@ -490,3 +490,45 @@ def test_a_buffer_write_the_trace_cannot_record_is_refused_and_undone():
     assert model.count.item() == 0  # the write the trace ran is undone
     with pytest.raises(remat.RematError, match="writes buffer 'count'"):
         remat.profile(model, torch.randn(8))
+
+
+class _QatConvs(nn.Module):
+    """Convolutions prepared for quantization-aware training: fake-quantize modules hand their observers'
+    statistics to a fused op that updates them in place, without calling the observers."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv1d(8, 8, 3, padding=1) for _ in range(n))
+        self.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+        torch.ao.quantization.prepare_qat(self, inplace=True)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = x + torch.relu(conv(x))
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["all", "selective"])
+def test_a_qat_model_cut_along_its_trace_trains_its_own_gradients(strategy):
+    # NOTE [Buffers of submodules never entered] in remat.core._contexts: recomputation updated the observers a
+    # second time; from the second step (the first update is idempotent) 39 of 42 gradients differed from the
+    # model's, under a plan remat.auto had verified.
+    torch.manual_seed(0)
+    model = _QatConvs().train()
+    ref = twin(model)
+    prof = remat.profile(model, torch.randn(4, 8, 32), repeat=1, warmup=0)
+    assert all(b.name.startswith(HOLDER + ".") for b in prof.blocks)
+    remat.apply(model, remat.plan(prof, strategy=strategy))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    try:
+        for step in range(3):
+            x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(step))
+            for m, optimizer in zip((model, ref), optimizers):
+                optimizer.zero_grad()
+                m(x).square().mean().backward()
+            assert_grads_equal(ref, model)
+            assert_buffers_equal(ref, model)
+            for optimizer in optimizers:
+                optimizer.step()
+    finally:
+        remat.remove(model)

@@ -42,12 +42,32 @@ class _CopyOnWrite(TorchDispatchMode):
 
 
 def _watch(region: Region, module: nn.Module) -> None:
-    """Watch ``module``'s buffers and those its code reads without entering their modules (a traced segment's,
-    NOTE [Buffers a segment reads] in remat.profiling._traced): a nested segment enters the traced units, not
-    the model whose statistics they update."""
-    region.watch_buffers(module)
+    """Watch the buffers of ``module`` and its submodules, and those its code reads without entering their
+    modules (a traced segment's, NOTE [Buffers a segment reads] in remat.profiling._traced): a nested segment
+    enters the traced units, not the model whose statistics they update."""
+    _watch_tree(region, module)
     for other in module.__dict__.get(REGION_BUFFER_MODULES, ()):
-        region.watch_buffers(other)
+        _watch_tree(region, other)
+
+
+# NOTE [Buffers of submodules never entered]
+# A module may hand its submodules' buffers to an op without calling them: torch's QAT
+# ``FusedMovingAvgObsFakeQuantize`` passes its observer's ``min_val``/``max_val`` to
+# ``fused_moving_avg_obs_fake_quant``, which updates them in place. Watching only the buffers of
+# modules entered missed them wherever the checkpointed module is not their ancestor (a traced
+# segment calls the model's leaf modules; a function calls a module): recomputation updated the
+# statistics a second time, from the written value, and a QAT model trained other gradients from its
+# second step under a plan remat.auto had verified on the first (the update is idempotent there).
+# So entering a module watches its whole subtree, each module once per call.
+def _watch_tree(region: Region, module: nn.Module) -> None:
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in region.trees_watched:
+            continue
+        region.trees_watched.add(id(m))
+        region.watch_buffers(m)
+        stack.extend(child for child in m._modules.values() if child is not None)
 
 
 class ForwardContext:

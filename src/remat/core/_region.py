@@ -11,7 +11,8 @@ state change in the forward would then happen twice or be seen twice:
   keeps the mutated input and refuses it in backward (version mismatch).
 
 A region watches the storages of its inputs and of the buffers of every module
-entered during its forward, and keeps the value the forward started from of each
+entered during its forward and of their submodules (NOTE [Buffers of submodules never
+entered] in remat.core._contexts), and keeps the value the forward started from of each
 one the forward writes. Recompute then runs on fresh copies of those values:
 buffers are swapped for the copies while recomputing and swapped back afterwards,
 so the user's buffers change exactly once per step and the recompute sees the
@@ -139,6 +140,8 @@ class Region:
         self.expected: set[int] = set()
         """Storage keys of the buffers the first call saw written."""
         self.buffer_modules: dict[int, nn.Module] = {}
+        self.trees_watched: set[int] = set()
+        """Modules whose subtrees are watched this call (NOTE [Buffers of submodules never entered])."""
         self.written_inputs: dict[int, bool] = {}
         """Storage key -> requires_grad of each input the forward wrote in place."""
         self._fresh: dict[int, torch.Tensor] = {}

@@ -139,6 +139,8 @@ class ModelState:
             raise RematError("the step registered it; it did not exist before")
         saved = self.buffers[name]
         if b is not None and saved is not None:
+            if b.shape != saved.shape:  # a QAT observer sized on its first step: back to its size, in place
+                b.resize_(saved.shape)
             b.copy_(saved)
             if b.grad_fn is not None and b._base is None:
                 # written in place from values that require grad, the buffer joined the step's graph: a later
