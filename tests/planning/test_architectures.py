@@ -20,6 +20,7 @@ has.
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import importlib.util
 import pathlib
@@ -116,3 +117,47 @@ def test_lora_on_every_linear_refines_each_layer_into_attention_and_mlp():
     model, _, _ = architectures._build("llama-lora", 4)
     units = [n.split("layers.")[1] for n in find_blocks(model)]
     assert units == [f"{i}.{n}" for i in range(4) for n in ("self_attn", "mlp")]
+
+
+class _LoraBlock(torch.nn.Module):
+    """A custom MLP block: its GELU between the two linears is the block's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.l1, self.l2 = torch.nn.LayerNorm(32), torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.l2(torch.nn.functional.gelu(self.l1(self.norm(x))))
+
+
+class _LoraStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_LoraBlock() for _ in range(5))
+        self.head = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_auto_plans_on_the_blocks_where_their_refined_lora_linears_fall_short():
+    # NOTE [Coarser units when the refined ones fall short]: five blocks were refined into their ten lora.Linear
+    # wrappers, which leave each GELU outside every unit (floor 0.75), and auto refused 0.6; the blocks reach it.
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["l1", "l2"], lora_dropout=0.0)
+    model, x = peft.get_peft_model(_LoraStack(), config), torch.randn(8, 64, 32)
+    assert all(n.endswith((".l1", ".l2")) for n in find_blocks(model))  # the premise: refined into the linears
+    twin = copy.deepcopy(model)
+    plan = remat.auto(model, x, 0.6, repeat=1, warmup=0)
+    try:
+        assert sorted(plan.assignment) == [f"base_model.model.blocks.{i}" for i in range(5)]
+        assert plan.measured_peak_bytes <= plan.budget_bytes and any("coarser units" in n for n in plan.notes)
+        for net in (model, twin):
+            net(x).square().mean().backward()
+        for (n, a), (_, b) in zip(twin.named_parameters(), model.named_parameters()):
+            assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), n
+    finally:
+        remat.remove(model)
