@@ -203,8 +203,9 @@ def _auto(
 # what it calls] in remat.profiling._blocks), which usually reaches lower. Where a block's own code does the
 # work between its callees (peft's LoRA on both linears of a custom MLP block: the GELU between them), the
 # refined units leave that work outside every unit: five such blocks refined into ten ``lora.Linear``
-# reached 0.75 of the peak, and auto refused 0.6, which the five blocks reach (measured 0.51). So where the
-# refined units cannot meet the budget, auto plans once more on the coarse units, and the notes say so.
+# reached 0.98 of the peak, and auto refused 0.6, which the five blocks reach (measured 0.56; the test in
+# tests/planning/test_architectures.py). So where the refined units cannot meet the budget, auto plans once
+# more on the coarse units, and the notes say so.
 def _coarser_units(model: nn.Module, options: dict) -> list[str] | None:
     """The coarse units where ``blocks="auto"`` refined them into others (None: it did not, or units were given)."""
     if options.get("blocks") not in (None, "auto"):

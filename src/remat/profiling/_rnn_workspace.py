@@ -1,23 +1,23 @@
 """The workspace a CPU recurrent layer keeps for its backward, which a fake run does not see.
 
 NOTE [A recurrent layer's workspace on the CPU]
-``nn.LSTM`` and ``nn.GRU`` in training run each layer and direction through
-``aten.mkldnn_rnn_layer`` on the CPU, whose oneDNN kernel returns a workspace (the gates and
+``nn.LSTM`` in training runs each layer and direction through ``aten.mkldnn_rnn_layer`` on the
+CPU (``nn.GRU`` and ``nn.RNN`` do not), whose oneDNN kernel returns a workspace (the gates and
 states of every time step) that autograd keeps for the backward. Its meta kernel returns an
-empty one, so a fake step missed about four times the layer's output per layer: a stack of
-six LSTM blocks (batch 8, 128 steps, 64 features) was profiled at a 6.4 MiB peak without
+empty one, so a fake step missed about four times the layer's output per layer: a stack of six
+LSTM blocks (batch 8, 128 steps, 64 features) was profiled at a 6.4 MiB peak without
 checkpointing where the real step holds 29.4 MiB, and ``remat.auto(model, x, 0.6)`` aimed at 0.6
 of the wrong figure. The workspace's size is oneDNN's to choose (its parts padded to good
 leading dimensions and page-aligned), so it is not computed from a formula here but measured:
 the real kernel runs on zeros of the layer's shapes, off every dispatch mode, where that
-allocates at most ``MEASURED`` bytes; beyond them, it runs at three smaller shapes of about
-that size and the size is extrapolated as oneDNN lays it out, a constant (the bias) plus
-parts per sample (the initial states) plus parts per sample and step (the gates and the
-states of each step). Each part is page-aligned: measured on small shapes, the pages rounded
-up made the slope wrong (64 KiB under at 300 steps), so the shapes measured are as large as
-``MEASURED`` allows (``tests/profiling/test_rnn_workspace.py`` compares with the kernel). CUDA's cuDNN reserve
-space has no such query off a GPU (torch's meta kernel says as much): a fake profile for a
-CUDA target still leaves it out, and the verification step on the device measures it.
+allocates at most ``MEASURED`` bytes; beyond them, it runs at three smaller shapes of about that
+size and the size is extrapolated as oneDNN lays it out, a constant (the bias) plus parts per
+sample (the initial states) plus parts per sample and step (the gates and the states of each
+step). Each part is page-aligned: measured on small shapes, the pages rounded up made the slope
+wrong (64 KiB under at 300 steps), so the shapes measured are as large as ``MEASURED`` allows
+(``tests/profiling/test_rnn_workspace.py`` compares with the kernel). CUDA's cuDNN reserve space
+has no such query off a GPU (torch's meta kernel says as much): a fake profile for a CUDA target
+still leaves it out, and the verification step on the device measures it.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _cost(key: tuple, steps: int, samples: int) -> int:
 def _measured(key: tuple, steps: int, samples: int) -> int:
     """The workspace's bytes the CPU kernel returns for a layer of ``key`` at ``steps`` x ``samples``."""
     features, hidden, state, dtype, mode, has_biases, batch_first, cell = key
-    gates = {2: 4, 3: 3, 0: 1, 1: 1}.get(mode, 4) * hidden  # LSTM, GRU, RNN tanh / relu
+    gates = 4 * hidden  # LSTM's (the only mode torch runs through oneDNN)
     with _disable_current_modes():
         x = torch.zeros(steps, samples, features, dtype=dtype)
         w_ih, w_hh = torch.zeros(gates, features, dtype=dtype), torch.zeros(gates, state, dtype=dtype)
