@@ -104,8 +104,8 @@ def main() -> None:
 
 def _table(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, {args.rounds} interleaved rounds, median time ratio to keep; peak (KiB)")
-    print("| model | " + " | ".join(SETUPS) + " |")
+    print(f"torch {torch.__version__}, {args.rounds} interleaved rounds, median time ratio to keep; peak (KiB)\n")
+    print("| model (layers x hidden, batch x seq) | " + " | ".join(SETUPS) + " |")
     print("|---|" + "---|" * len(SETUPS))
     for label, (name, options) in MODELS.items():
         row = run(label, name, options, args.rounds)
