@@ -271,3 +271,28 @@ def test_allocator_peak_agrees_with_the_storage_tracker_on_eager_code():
     allocated, _ = allocator_peak(lambda: training_step(zoo.model, zoo.inputs))
     assert allocated == pytest.approx(tracked.step_peak_bytes, rel=1e-3)
     assert allocated >= tracked.step_peak_bytes
+
+
+def test_measuring_a_compiled_model_leaves_torch_compile_compiling():
+    # NOTE [A compiled step is counted without a dispatch mode]: the step counted under the storage tracker made
+    # dynamo skip the model's forward for good, and later torch.compile's of its class ran eagerly.
+    from torch._dynamo.testing import CompileCounter
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))).square().mean()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    compiled = torch.compile(Net(), backend=CompileCounter())
+    measured = remat.measure(compiled, x, lambda loss: loss, warmup=0, repeat=1)
+    assert measured.peak_bytes > 0 and measured.missing_grads == ()
+    later = CompileCounter()
+    torch.compile(Net(), backend=later)(x).backward()
+    assert later.frame_count >= 1  # a new compile of the class compiled: its forward was not marked skipped
+    torch._dynamo.reset()
