@@ -25,14 +25,20 @@ class TinyChain(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+        # what a training step keeps besides the model (a torchmetrics metric's states are such attributes)
+        self.samples_seen, self.error_sum, self.losses = 0, torch.zeros(32), []
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
+        out = self(x)
+        loss = nn.functional.mse_loss(out, y)
         self.log("loss", loss)
+        self.samples_seen += len(x)
+        self.error_sum += (out - y).detach().abs().sum(0)  # in place, as a metric's update
+        self.losses.append(loss.detach())
         return loss
 
     def configure_optimizers(self):
@@ -87,6 +93,10 @@ def test_lightning_with_the_callback_trains_exactly_as_without(tmp_path, accumul
         assert torch.equal(want, got), name
     assert json.loads((tmp_path / "remat" / "remat_plan.json").read_text())["assignment"] == plan.assignment
     assert not {"forward", "log", "log_dict"} & set(module.__dict__)  # the module is its own again
+    # NOTE [What a training step changes besides the model]: the callback's steps left no trace there
+    assert module.samples_seen == reference.samples_seen == STEPS * accumulate * BATCH
+    assert torch.equal(module.error_sum, reference.error_sum)
+    assert len(module.losses) == len(reference.losses) and all(map(torch.equal, module.losses, reference.losses))
 
 
 def test_lightning_callback_refuses_manual_optimization_and_loss_fn(tmp_path):
