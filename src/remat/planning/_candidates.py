@@ -231,20 +231,20 @@ class Candidates:
         if below and self.limit is not None:
             over = self._slice_for(self.prof.baseline_peak_bytes, self.limit)
             if self.findings.samples is None:
-                keep, over = self._lowest_instead(traced, over)
+                keep, over = self._lowest_instead(traced, over, self._lowest_one_level())
         self.reference_plan = keep
         try:
             step = self._reference_step(keep)
         except OutOfMemory as err:
             # out of memory on its smallest slice: the lowest-peak plan instead, where it is within the budget
             # (NOTE [The step verified plans are compared with])
-            lowest = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
-            if self.limit is None or keep.assignment != own or lowest > self.limit:
+            lowest = self._lowest_one_level()
+            if self.limit is None or keep.assignment != own or lowest.predicted_peak_bytes > self.limit:
                 raise
             log.info("remat.auto: the step without checkpointing ran out of device memory: %s", first_line(err))
             where = self._where_it_ran()
             self.findings.samples, self.compared_on, self.findings.unsliced = None, self.inputs, ""
-            keep, over = self._lowest_instead(traced, f" ran out of device memory {where}")
+            keep, over = self._lowest_instead(traced, f" ran out of device memory {where}", lowest)
             self.reference_plan = keep
             step = self._reference_step(keep)
         if self.findings.unsliced:
@@ -265,9 +265,15 @@ class Candidates:
             return f"on the whole batch ({self.findings.unsliced})"
         return "on the whole batch"
 
-    def _lowest_instead(self, traced: bool, unsliced: str) -> tuple[Plan, str]:
-        """The lowest-peak one-level plan as the reference, where the step without checkpointing is over the budget
-        and cannot run on a slice (NOTE [The step verified plans are compared with]); what the note says of it."""
+    def _lowest_one_level(self) -> Plan:
+        """The one-level plan at the lowest peak one-level plans reach."""
+        floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
+        return make_plan(self.prof, f"{floor}B", nested=False)
+
+    def _lowest_instead(self, traced: bool, unsliced: str, keep: Plan) -> tuple[Plan, str]:
+        """``keep``, the lowest-peak one-level plan, as the reference, where the step without checkpointing is over
+        the budget and cannot run on a slice, or ran out of memory on its smallest (NOTE [The step verified plans
+        are compared with]); what the note says of it."""
         missed = (
             "a trace that missed something the forward does"
             if traced
@@ -279,8 +285,6 @@ class Candidates:
             f"not with it: {missed} would not be seen "
             "(NOTE [The step verified plans are compared with])."
         )
-        floor = make_plan(self.prof, strategy="none", nested=False).min_peak_bytes
-        keep = make_plan(self.prof, f"{floor}B", nested=False)
         self.findings.compared_with = f"the step of the lowest-peak one-level plan ({policies_of(keep)})"
         return keep, self._slice_for(keep.predicted_peak_bytes, self.limit or 0)
 
