@@ -194,7 +194,7 @@ def kernel_output(func: Any, args: tuple, kwargs: dict, *, cuda: bool = False) -
         if isinstance(a, torch.Tensor) and a.dtype in _GROUPED_MM_CPU_ONLY:
             return _grouped_mm_output(func, args, kwargs)
     if func in RNN_LAYER and not cuda:
-        return with_workspace(func, args, kwargs, func(*args, **kwargs))
+        return with_workspace(func(*args, **kwargs), lambda name: _argument(func, args, kwargs, name))
     return func(*args, **kwargs)
 
 

@@ -23,6 +23,7 @@ still leaves it out, and the verification step on the device measures it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,26 +38,23 @@ RNN_LAYER = frozenset(
 #: The most bytes a measurement of the workspace allocates (NOTE [A recurrent layer's workspace on the CPU]).
 MEASURED = 32 << 20
 
-_ARGS = ("input", "w0", "w1", "w2", "w3", "hx_", "cx_", "reverse", "batch_sizes", "mode", "hidden_size")
-_FLAGS = ("num_layers", "has_biases", "bidirectional", "batch_first", "train")
 
-
-def with_workspace(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    """``out`` of a fake ``mkldnn_rnn_layer`` with the workspace the CPU kernel returns in place of the empty one."""
-    named = dict(zip(_ARGS + _FLAGS, args)) | kwargs
-    source, workspace = named["input"], out[3]
-    if not (named.get("train", True) and torch.is_grad_enabled()) or workspace.numel() or named.get("batch_sizes"):
+def with_workspace(out: Any, argument: Callable[[str], Any]) -> Any:
+    """``out`` of a fake ``mkldnn_rnn_layer`` with the workspace the CPU kernel returns in place of the empty one;
+    ``argument(name)``: the op's argument of that name in its schema."""
+    source, workspace = argument("input"), out[3]
+    if not (argument("train") and torch.is_grad_enabled()) or workspace.numel() or argument("batch_sizes"):
         return out  # the kernel returns none in inference, or without grad mode
     steps, samples = source.shape[:2]  # time-major whatever ``batch_first`` says: nn.LSTM transposes first
     key = (
         source.shape[2],
-        named["hidden_size"],
-        named["w1"].shape[1],
+        argument("hidden_size"),
+        argument("weight1").shape[1],
         source.dtype,
-        named["mode"],
-        named["has_biases"],
-        named["batch_first"],
-        named["cx_"] is not None,
+        argument("mode"),
+        argument("has_biases"),
+        argument("batch_first"),
+        argument("cx_") is not None,
     )
     size = _extrapolated(key, steps, samples)
     return (*out[:3], workspace.new_empty(size), *out[4:])
