@@ -70,7 +70,7 @@ from torch.utils.checkpoint import (
     checkpoint as _torch_checkpoint,
 )
 
-__all__ = ["run_compiled", "eager_module", "prepare_compile"]
+__all__ = ["run_compiled", "eager_module", "prepare_compile", "runs_compiled"]
 
 
 class _NotTraced(Exception):
@@ -186,3 +186,18 @@ def eager_module(model: Any) -> Any:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+# NOTE [A compiled step is counted without a dispatch mode]
+# Dynamo does not compile a frame it meets under a Python dispatch mode, and it remembers the skip
+# on the frame's code: ``remat.measure(torch.compile(model), x)`` counted the step under the storage
+# tracker, and from then on that model, and any new ``torch.compile`` of its class, ran eagerly with
+# no warning (other dropout masks, other speed) until ``torch._dynamo.reset()``. A model that runs
+# compiled code (a ``torch.compile`` wrapper, or a submodule compiled in place) is counted from the CPU
+# allocator's reports instead (remat.core.measure), as ``compiled_peak`` counts one: the compiled step, no mode.
+def runs_compiled(model: torch.nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
+    )

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from remat.core._compiled import eager_module
+from remat.core._compiled import eager_module, runs_compiled
 from remat.core._costs import spent
 from remat.core._hf import every_layer_runs
 from remat.core._loop import NO_LOOP, Loop, OptimizerSnapshot, make_loop
@@ -135,7 +135,7 @@ def _peak(
         _sync(device)
         return torch.cuda.max_memory_allocated(device), resting, float(loss)
     known = resting_tensors(model, inputs, loop)
-    if allocator or _runs_compiled(model):
+    if allocator or runs_compiled(model):  # NOTE [A compiled step is counted without a dispatch mode]
         step_peak, loss = allocator_peak(step)
         resting = storage_bytes(known)
         return resting + step_peak, resting, float(loss)
@@ -145,21 +145,6 @@ def _peak(
     # ``discovered``: resting storages that are not the model's, such as DDP's gradient buckets.
     resting = storage_bytes(known) + tracker.discovered
     return resting + tracker.peak, resting, float(loss)
-
-
-# NOTE [A compiled step is counted without a dispatch mode]
-# Dynamo does not compile a frame it meets under a Python dispatch mode, and it remembers the skip
-# on the frame's code: ``remat.measure(torch.compile(model), x)`` counted the step under the storage
-# tracker, and from then on that model, and any new ``torch.compile`` of its class, ran eagerly with
-# no warning (other dropout masks, other speed) until ``torch._dynamo.reset()``. A model that runs
-# compiled code (a ``torch.compile`` wrapper, or a submodule compiled in place) is counted from the CPU
-# allocator's reports instead, as ``compiled_peak`` counts one: the compiled step, no mode.
-def _runs_compiled(model: nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()
-    )
 
 
 def measure(
